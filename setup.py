@@ -1,0 +1,79 @@
+"""Build script: compiles shaders/*.comp to SPIR-V (vkmoe/_spv/) and the native CPU tier (native/) via cffi.
+
+`python setup.py build_shaders` recompiles only the shaders whose source or includes changed.
+"""
+import glob
+import os
+import shutil
+import subprocess
+import sys
+
+from setuptools import Command, setup
+from setuptools.command.build_py import build_py
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SHADER_DIR = os.path.join(HERE, "shaders")
+SPV_DIR = os.path.join(HERE, "vkmoe", "_spv")
+# Vulkan 1.2 SPIR-V 1.5 is the floor: the Vulkan memory model (device-scope acquire/release) needs it.
+GLSLC_FLAGS = ["--target-env=vulkan1.2", "-O", "-I", os.path.join(SHADER_DIR, "include")]
+
+
+def compile_shaders(force=False, verbose=True):
+    """Compile every shaders/*.comp that is older than its output or any include. Returns the count built."""
+    glslc = shutil.which("glslc")
+    sources = sorted(glob.glob(os.path.join(SHADER_DIR, "*.comp")))
+    includes = glob.glob(os.path.join(SHADER_DIR, "include", "*.glsl"))
+    newest_include = max((os.path.getmtime(p) for p in includes), default=0.0)
+    os.makedirs(SPV_DIR, exist_ok=True)
+    built = 0
+    for src in sources:
+        out = os.path.join(SPV_DIR, os.path.splitext(os.path.basename(src))[0] + ".spv")
+        if not force and os.path.exists(out):
+            if os.path.getmtime(out) >= max(os.path.getmtime(src), newest_include):
+                continue
+        if glslc is None:
+            raise SystemExit(
+                "vkmoe: glslc (the shaderc GLSL compiler) is required to build shaders/*.comp; "
+                "install it with `apt-get install glslc` (Debian/Ubuntu), or copy a prebuilt vkmoe/_spv/."
+            )
+        cmd = [glslc, *GLSLC_FLAGS, src, "-o", out]
+        if verbose:
+            print("glslc", os.path.relpath(src, HERE), "->", os.path.relpath(out, HERE))
+        subprocess.run(cmd, check=True)
+        built += 1
+    return built
+
+
+class BuildShaders(Command):
+    description = "compile shaders/*.comp to vkmoe/_spv/*.spv with glslc"
+    user_options = [("force", "f", "rebuild every shader")]
+
+    def initialize_options(self):
+        self.force = False
+
+    def finalize_options(self):
+        pass
+
+    def run(self):
+        compile_shaders(force=bool(self.force))
+
+
+class BuildPyWithShaders(build_py):
+    def run(self):
+        compile_shaders()
+        super().run()
+
+
+setup(
+    name="vkmoe",
+    version="0.1.0",
+    description="The fused EXL3 Mixture-of-Experts MLP on any Vulkan device",
+    packages=["vkmoe", "vkmoe.vk", "vkmoe.exl3", "vkmoe.sched", "vkmoe.ops"],
+    package_data={"vkmoe": ["_spv/*.spv"]},
+    python_requires=">=3.9",
+    install_requires=["vulkan==1.3.275.1", "cffi>=1.15", "numpy>=1.24", "safetensors>=0.4"],
+    extras_require={"test": ["pytest>=7"], "plot": ["matplotlib>=3.6"]},
+    setup_requires=["cffi>=1.15"],
+    cffi_modules=["native/build_native.py:ffibuilder"],
+    cmdclass={"build_shaders": BuildShaders, "build_py": BuildPyWithShaders},
+)

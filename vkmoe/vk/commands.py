@@ -1,0 +1,227 @@
+"""CommandRecorder: record dispatches, barriers, copies and timestamps into a reusable command buffer; submit
+and wait with a timeout (vkmoe.TimeoutError instead of blocking forever)."""
+import os
+import time
+
+import numpy as np
+import vulkan as vk
+
+from .errors import TimeoutError, VkmoeError, call
+
+ffi = vk.ffi
+
+DEFAULT_TIMEOUT_S = float(os.environ.get("VKMOE_TIMEOUT", "60"))
+
+_SHADER_STAGES = vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | vk.VK_PIPELINE_STAGE_TRANSFER_BIT
+_ACCESS = (vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT | vk.VK_ACCESS_TRANSFER_READ_BIT
+           | vk.VK_ACCESS_TRANSFER_WRITE_BIT)
+
+
+class CommandRecorder:
+    """A command buffer with its own pool, fence and timestamp query pool.
+
+    Recording: begin(); dispatch()/barrier()/copy()/fill()/timestamp() ...; end(). A recorded buffer can be
+    submitted any number of times. `timestamps` sets how many timestamp slots exist (0 = none).
+    """
+
+    def __init__(self, device, timestamps=0, untracked=False):
+        self.device = device
+        h = device.handle
+        self._pool = call("vkCreateCommandPool", vk.vkCreateCommandPool, h, vk.VkCommandPoolCreateInfo(
+            sType=vk.VK_STRUCTURE_TYPE_COMMAND_POOL_CREATE_INFO,
+            flags=vk.VK_COMMAND_POOL_CREATE_RESET_COMMAND_BUFFER_BIT, queueFamilyIndex=device.queue_family), None)
+        self.handle = call("vkAllocateCommandBuffers", vk.vkAllocateCommandBuffers, h, vk.VkCommandBufferAllocateInfo(
+            sType=vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_ALLOCATE_INFO, commandPool=self._pool,
+            level=vk.VK_COMMAND_BUFFER_LEVEL_PRIMARY, commandBufferCount=1))[0]
+        self._fence = call("vkCreateFence", vk.vkCreateFence, h,
+                           vk.VkFenceCreateInfo(sType=vk.VK_STRUCTURE_TYPE_FENCE_CREATE_INFO), None)
+        self.timestamp_slots = int(timestamps)
+        self._query_pool = None
+        if self.timestamp_slots:
+            if device.timestamp_valid_bits == 0:
+                raise VkmoeError(f"{device.name}: the compute queue has no timestamp support")
+            self._query_pool = call("vkCreateQueryPool", vk.vkCreateQueryPool, h, vk.VkQueryPoolCreateInfo(
+                sType=vk.VK_STRUCTURE_TYPE_QUERY_POOL_CREATE_INFO, queryType=vk.VK_QUERY_TYPE_TIMESTAMP,
+                queryCount=self.timestamp_slots), None)
+        self._recording = False
+        self._recorded = False
+        self._pending = False
+        self._next_timestamp = 0
+        self._keep = []  # descriptor sets and push data referenced by the recorded commands
+        self._untracked = untracked
+        if not untracked:
+            device.track(self)
+
+    # ------------------------------------------------------------------------------------------- recording
+    def begin(self):
+        if self._pending:
+            self.wait()
+        call("vkResetCommandBuffer", vk.vkResetCommandBuffer, self.handle, 0)
+        call("vkBeginCommandBuffer", vk.vkBeginCommandBuffer, self.handle, vk.VkCommandBufferBeginInfo(
+            sType=vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO))
+        self._recording, self._recorded = True, False
+        self._keep = []
+        self._next_timestamp = 0
+        if self._query_pool is not None:
+            vk.vkCmdResetQueryPool(self.handle, self._query_pool, 0, self.timestamp_slots)
+        return self
+
+    def _check_recording(self):
+        if not self._recording:
+            raise VkmoeError("record commands between begin() and end()")
+
+    def dispatch(self, pipeline, descriptor_set, groups, push=None):
+        """Dispatch `pipeline` over `groups` workgroups (int or (x, y, z)) with a descriptor set and push block."""
+        self._check_recording()
+        x, y, z = (groups, 1, 1) if np.isscalar(groups) else tuple(groups) + (1,) * (3 - len(groups))
+        limit = self.device.limits.maxComputeWorkGroupCount
+        for axis, (n, cap) in enumerate(zip((x, y, z), limit)):
+            if not 0 <= n <= cap:
+                raise VkmoeError(f"{pipeline.name}: {n} workgroups on axis {axis} exceeds the device limit {cap}")
+        if push is not None and not isinstance(push, pipeline.push_type or type(None)):
+            raise TypeError(f"{pipeline.name} expects push constants of type {pipeline.push_type.__name__}, "
+                            f"got {type(push).__name__}")
+        if pipeline.push_type is not None and push is None:
+            raise TypeError(f"{pipeline.name} needs push constants ({pipeline.push_type.__name__})")
+        cb = self.handle
+        vk.vkCmdBindPipeline(cb, vk.VK_PIPELINE_BIND_POINT_COMPUTE, pipeline.handle)
+        vk.vkCmdBindDescriptorSets(cb, vk.VK_PIPELINE_BIND_POINT_COMPUTE, pipeline.layout, 0, 1,
+                                   [descriptor_set.handle], 0, None)
+        self._keep.append(descriptor_set)
+        if push is not None:
+            data = ffi.new("char[]", push.tobytes())
+            self._keep.append(data)
+            vk.lib.vkCmdPushConstants(cb, pipeline.layout, vk.VK_SHADER_STAGE_COMPUTE_BIT, 0, pipeline.push_type.size(),
+                                      data)
+        if x and y and z:
+            vk.vkCmdDispatch(cb, x, y, z)
+
+    def barrier(self):
+        """Make every earlier shader/transfer write visible to every later shader/transfer access."""
+        self._check_recording()
+        mb = vk.VkMemoryBarrier(sType=vk.VK_STRUCTURE_TYPE_MEMORY_BARRIER, srcAccessMask=_ACCESS, dstAccessMask=_ACCESS)
+        vk.vkCmdPipelineBarrier(self.handle, _SHADER_STAGES, _SHADER_STAGES, 0, 1, [mb], 0, None, 0, None)
+
+    def host_barrier(self):
+        """Make shader writes visible to host reads after the fence (for host-visible result buffers)."""
+        self._check_recording()
+        mb = vk.VkMemoryBarrier(sType=vk.VK_STRUCTURE_TYPE_MEMORY_BARRIER, srcAccessMask=_ACCESS,
+                                dstAccessMask=vk.VK_ACCESS_HOST_READ_BIT)
+        vk.vkCmdPipelineBarrier(self.handle, _SHADER_STAGES, vk.VK_PIPELINE_STAGE_HOST_BIT, 0, 1, [mb], 0, None, 0, None)
+
+    def copy(self, src, dst, nbytes, src_offset=0, dst_offset=0):
+        self._check_recording()
+        region = vk.VkBufferCopy(srcOffset=src.offset + src_offset, dstOffset=dst.offset + dst_offset, size=nbytes)
+        vk.vkCmdCopyBuffer(self.handle, src.handle, dst.handle, 1, [region])
+
+    def fill(self, buf, value=0, nbytes=None, offset=0):
+        """Fill with a repeated 32-bit word (size rounded down to a multiple of 4)."""
+        self._check_recording()
+        size = (buf.size - offset if nbytes is None else nbytes) // 4 * 4
+        if size:
+            vk.vkCmdFillBuffer(self.handle, buf.handle, buf.offset + offset, size, int(value) & 0xFFFFFFFF)
+
+    def timestamp(self):
+        """Write a timestamp after all earlier commands; returns its slot index."""
+        self._check_recording()
+        if self._next_timestamp >= self.timestamp_slots:
+            raise VkmoeError(f"all {self.timestamp_slots} timestamp slots are used; make the recorder with more")
+        slot = self._next_timestamp
+        vk.vkCmdWriteTimestamp(self.handle, vk.VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, self._query_pool, slot)
+        self._next_timestamp += 1
+        return slot
+
+    def end(self):
+        self._check_recording()
+        call("vkEndCommandBuffer", vk.vkEndCommandBuffer, self.handle)
+        self._recording, self._recorded = False, True
+        return self
+
+    # ----------------------------------------------------------------------------------------- submission
+    def submit(self, wait=True, timeout=None):
+        if not self._recorded:
+            raise VkmoeError("submit() needs a recorded command buffer (begin() ... end())")
+        if self._pending:
+            self.wait(timeout)
+        dev = self.device
+        with dev._lock:
+            call("vkResetFences", vk.vkResetFences, dev.handle, 1, [self._fence])
+            info = vk.VkSubmitInfo(sType=vk.VK_STRUCTURE_TYPE_SUBMIT_INFO, commandBufferCount=1,
+                                   pCommandBuffers=[self.handle])
+            call("vkQueueSubmit", vk.vkQueueSubmit, dev.queue, 1, [info], self._fence)
+        self._pending = True
+        if wait:
+            self.wait(timeout)
+        return self
+
+    def wait(self, timeout=None):
+        """Wait for the last submission; raise vkmoe.TimeoutError after `timeout` seconds."""
+        if not self._pending:
+            return
+        timeout = DEFAULT_TIMEOUT_S if timeout is None else float(timeout)
+        deadline = time.monotonic() + timeout
+        while True:
+            # Short slices keep Ctrl-C responsive; the total is bounded by `timeout`.
+            left = max(0.0, deadline - time.monotonic())
+            result = vk.lib.vkWaitForFences(self.device.handle, 1, [self._fence], vk.VK_TRUE,
+                                            int(min(left, 0.25) * 1e9))
+            if result == vk.VK_SUCCESS:
+                self._pending = False
+                return
+            if result != vk.VK_TIMEOUT:
+                raise VkmoeError(f"vkWaitForFences failed with VkResult {result} (device lost?)")
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"the GPU did not finish within {timeout:g} s; the device may be hung and "
+                                   "should be recreated")
+
+    @property
+    def pending(self):
+        return self._pending
+
+    def timestamps_ms(self):
+        """Timestamps written by the last completed submission, in milliseconds from the first one."""
+        if self._pending:
+            self.wait()
+        n = self._next_timestamp
+        if n == 0:
+            return []
+        data = ffi.new("uint64_t[]", n)
+        result = vk.lib.vkGetQueryPoolResults(self.device.handle, self._query_pool, 0, n, 8 * n, data, 8,
+                                              vk.VK_QUERY_RESULT_64_BIT | vk.VK_QUERY_RESULT_WAIT_BIT)
+        if result != vk.VK_SUCCESS:
+            raise VkmoeError(f"vkGetQueryPoolResults failed with VkResult {result}")
+        bits = self.device.timestamp_valid_bits
+        mask = (1 << bits) - 1 if bits < 64 else (1 << 64) - 1
+        ticks = [int(data[i]) & mask for i in range(n)]
+        period_ms = self.device.limits.timestampPeriod * 1e-6
+        return [((t - ticks[0]) & mask) * period_ms for t in ticks]
+
+    def elapsed_ms(self, first=0, last=None):
+        stamps = self.timestamps_ms()
+        last = len(stamps) - 1 if last is None else last
+        return stamps[last] - stamps[first]
+
+    def close(self):
+        if self.handle is None:
+            return
+        if self._pending:
+            try:
+                self.wait()
+            except Exception:
+                pass
+        h = self.device.handle
+        if self._query_pool is not None:
+            vk.vkDestroyQueryPool(h, self._query_pool, None)
+        vk.vkDestroyFence(h, self._fence, None)
+        vk.vkFreeCommandBuffers(h, self._pool, 1, [self.handle])
+        vk.vkDestroyCommandPool(h, self._pool, None)
+        self.handle = None
+        self._keep = []
+        if not self._untracked:
+            self.device.untrack(self)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,445 @@
+"""Device: instance, physical-device choice, logical device with the features vkmoe's shaders use, one compute
+queue, and the capability report (`info()`)."""
+import logging
+import os
+import threading
+
+import vulkan as vk
+
+from .errors import DeviceSelectionError, ValidationError, VkmoeError, call
+
+ffi = vk.ffi
+log = logging.getLogger("vkmoe")
+
+_DEVICE_TYPE_RANK = {  # default choice: a real GPU before a CPU implementation
+    vk.VK_PHYSICAL_DEVICE_TYPE_DISCRETE_GPU: 0,
+    vk.VK_PHYSICAL_DEVICE_TYPE_INTEGRATED_GPU: 1,
+    vk.VK_PHYSICAL_DEVICE_TYPE_VIRTUAL_GPU: 2,
+    vk.VK_PHYSICAL_DEVICE_TYPE_OTHER: 3,
+    vk.VK_PHYSICAL_DEVICE_TYPE_CPU: 4,
+}
+_DEVICE_TYPE_NAME = {
+    vk.VK_PHYSICAL_DEVICE_TYPE_DISCRETE_GPU: "discrete-gpu",
+    vk.VK_PHYSICAL_DEVICE_TYPE_INTEGRATED_GPU: "integrated-gpu",
+    vk.VK_PHYSICAL_DEVICE_TYPE_VIRTUAL_GPU: "virtual-gpu",
+    vk.VK_PHYSICAL_DEVICE_TYPE_OTHER: "other",
+    vk.VK_PHYSICAL_DEVICE_TYPE_CPU: "cpu",
+}
+_VALIDATION_LAYER = "VK_LAYER_KHRONOS_validation"
+
+
+def _version(v):
+    return f"{v >> 22}.{(v >> 12) & 0x3FF}.{v & 0xFFF}"
+
+
+def _new_struct(ctype, stype, chain_to=None):
+    s = ffi.new(ctype + "*")
+    s.sType = stype
+    if chain_to is not None:
+        s.pNext = chain_to
+    return s
+
+
+def _validation_requested():
+    return os.environ.get("VKMOE_VALIDATION", "0") not in ("", "0", "false", "no")
+
+
+class _Instance:
+    """One VkInstance per process (and per validation setting): devices share it."""
+
+    _lock = threading.Lock()
+    _instances = {}
+
+    @classmethod
+    def get(cls, validation):
+        with cls._lock:
+            inst = cls._instances.get(validation)
+            if inst is None:
+                inst = cls._instances[validation] = cls(validation)
+            return inst
+
+    def __init__(self, validation):
+        self.validation = validation
+        self.messages = []  # validation warnings/errors, drained by Device.take_validation_messages()
+        layers, extensions = [], []
+        if validation:
+            available = [layer.layerName for layer in vk.vkEnumerateInstanceLayerProperties()]
+            if _VALIDATION_LAYER not in available:
+                raise VkmoeError(
+                    f"VKMOE_VALIDATION=1 but {_VALIDATION_LAYER} is not installed "
+                    "(Debian: apt-get install vulkan-validationlayers)"
+                )
+            layers.append(_VALIDATION_LAYER)
+            extensions.append(vk.VK_EXT_DEBUG_UTILS_EXTENSION_NAME)
+        try:
+            loader_version = vk.vkEnumerateInstanceVersion()
+        except Exception:  # loaders before 1.1 lack the entry point
+            loader_version = vk.VK_MAKE_VERSION(1, 0, 0)
+        api = min(loader_version, vk.VK_MAKE_VERSION(1, 3, 0))
+        self.api_version = api
+        app = vk.VkApplicationInfo(
+            sType=vk.VK_STRUCTURE_TYPE_APPLICATION_INFO,
+            pApplicationName="vkmoe",
+            pEngineName="vkmoe",
+            apiVersion=api,
+        )
+        info = vk.VkInstanceCreateInfo(
+            sType=vk.VK_STRUCTURE_TYPE_INSTANCE_CREATE_INFO,
+            pApplicationInfo=app,
+            enabledLayerCount=len(layers),
+            ppEnabledLayerNames=layers or None,
+            enabledExtensionCount=len(extensions),
+            ppEnabledExtensionNames=extensions or None,
+        )
+        self.handle = call("vkCreateInstance", vk.vkCreateInstance, info, None)
+        self._messenger = None
+        if validation:
+            self._install_messenger()
+
+    def _install_messenger(self):
+        def on_message(severity, types, data, user_data):
+            text = ffi.string(data.pMessage).decode(errors="replace")
+            level = logging.ERROR if severity & vk.VK_DEBUG_UTILS_MESSAGE_SEVERITY_ERROR_BIT_EXT else logging.WARNING
+            log.log(level, "validation: %s", text)
+            self.messages.append(text)
+            return 0
+
+        create = vk.vkGetInstanceProcAddr(self.handle, "vkCreateDebugUtilsMessengerEXT")
+        info = vk.VkDebugUtilsMessengerCreateInfoEXT(
+            sType=vk.VK_STRUCTURE_TYPE_DEBUG_UTILS_MESSENGER_CREATE_INFO_EXT,
+            messageSeverity=vk.VK_DEBUG_UTILS_MESSAGE_SEVERITY_WARNING_BIT_EXT
+            | vk.VK_DEBUG_UTILS_MESSAGE_SEVERITY_ERROR_BIT_EXT,
+            messageType=vk.VK_DEBUG_UTILS_MESSAGE_TYPE_GENERAL_BIT_EXT
+            | vk.VK_DEBUG_UTILS_MESSAGE_TYPE_VALIDATION_BIT_EXT
+            | vk.VK_DEBUG_UTILS_MESSAGE_TYPE_PERFORMANCE_BIT_EXT,
+            pfnUserCallback=on_message,
+        )
+        self._callback = on_message  # the binding keeps only a module-level reference; keep ours too
+        self._messenger = create(self.handle, info, None)
+
+    def physical_devices(self):
+        return list(call("vkEnumeratePhysicalDevices", vk.vkEnumeratePhysicalDevices, self.handle))
+
+
+def list_devices():
+    """[(index, name, type, driver info)] of the Vulkan devices visible to this process."""
+    inst = _Instance.get(_validation_requested())
+    out = []
+    for index, pd in enumerate(inst.physical_devices()):
+        props = vk.vkGetPhysicalDeviceProperties(pd)
+        out.append((index, props.deviceName, _DEVICE_TYPE_NAME.get(props.deviceType, "?")))
+    return out
+
+
+def _select(physical_devices, selector):
+    described = []
+    for index, pd in enumerate(physical_devices):
+        props = vk.vkGetPhysicalDeviceProperties(pd)
+        described.append((index, pd, props.deviceName, props.deviceType))
+    if not described:
+        raise DeviceSelectionError("no Vulkan device found (is a Vulkan driver installed? Debian: mesa-vulkan-drivers)")
+    listing = "; ".join(f"{i}: {name}" for i, _, name, _ in described)
+    if selector is None or str(selector).strip() == "":
+        return min(described, key=lambda d: (_DEVICE_TYPE_RANK.get(d[3], 9), d[0]))
+    text = str(selector).strip()
+    if text.isdigit():
+        index = int(text)
+        if index >= len(described):
+            raise DeviceSelectionError(f"device index {index} out of range; devices are: {listing}")
+        return described[index]
+    matches = [d for d in described if text.lower() in d[2].lower()]
+    if not matches:
+        raise DeviceSelectionError(f"no Vulkan device name contains {text!r}; devices are: {listing}")
+    return matches[0]
+
+
+class Device:
+    """A logical Vulkan device with one compute queue.
+
+    `selector` (or the VKMOE_DEVICE environment variable) is a device index or a substring of its name.
+    Use as a context manager or call close(); buffers and pipelines made from it must be closed first
+    (close() does it for the objects it still tracks).
+    """
+
+    def __init__(self, selector=None):
+        self._closed = True
+        self.validation = _validation_requested()
+        self.instance = _Instance.get(self.validation)
+        if selector is None:
+            selector = os.environ.get("VKMOE_DEVICE")
+        self.index, self.physical, self.name, device_type = _select(self.instance.physical_devices(), selector)
+        self.device_type = _DEVICE_TYPE_NAME.get(device_type, "other")
+        self._query_capabilities()
+        self._create_logical_device()
+        self._closed = False
+        self._children = []  # objects to destroy on close, in reverse order
+        self._lock = threading.RLock()  # queue submission is externally synchronised in Vulkan
+        from .memory import MemoryManager  # circular import: memory needs a Device
+
+        self.memory = MemoryManager(self)
+        self._quirks = None
+
+    # ----------------------------------------------------------------------------------------- capabilities
+    def _query_capabilities(self):
+        pd = self.physical
+        self.extensions = {e.extensionName for e in vk.vkEnumerateDeviceExtensionProperties(pd, None)}
+        # The binding returns a struct whose owner may be collected: copy it into memory we own.
+        self._props = ffi.new("VkPhysicalDeviceProperties*")
+        vk.lib.vkGetPhysicalDeviceProperties(pd, self._props)
+        props = self._props[0]
+        self.api_version = min(props.apiVersion, self.instance.api_version)
+        self.limits = props.limits
+        # Property chain. Every struct stays referenced from self._prop_chain for as long as it is read.
+        chain = []
+
+        def link(ctype, stype, needed=True):
+            if not needed:
+                return None
+            s = _new_struct(ctype, stype, chain[-1] if chain else None)
+            chain.append(s)
+            return s
+
+        subgroup = link("VkPhysicalDeviceSubgroupProperties", vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_PROPERTIES)
+        v12 = link("VkPhysicalDeviceVulkan12Properties", vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_PROPERTIES,
+                   self.api_version >= vk.VK_MAKE_VERSION(1, 2, 0))
+        sgc = link("VkPhysicalDeviceSubgroupSizeControlProperties",
+                   vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_SIZE_CONTROL_PROPERTIES,
+                   self.api_version >= vk.VK_MAKE_VERSION(1, 3, 0))
+        dot = link("VkPhysicalDeviceShaderIntegerDotProductProperties",
+                   vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SHADER_INTEGER_DOT_PRODUCT_PROPERTIES,
+                   self.api_version >= vk.VK_MAKE_VERSION(1, 3, 0))
+        nv = link("VkPhysicalDeviceShaderSMBuiltinsPropertiesNV",
+                  vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SHADER_SM_BUILTINS_PROPERTIES_NV,
+                  "VK_NV_shader_sm_builtins" in self.extensions)
+        amd = link("VkPhysicalDeviceShaderCoreProperties2AMD",
+                   vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SHADER_CORE_PROPERTIES_2_AMD,
+                   "VK_AMD_shader_core_properties2" in self.extensions)
+        arm = link("VkPhysicalDeviceShaderCoreBuiltinsPropertiesARM",
+                   vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SHADER_CORE_BUILTINS_PROPERTIES_ARM,
+                   "VK_ARM_shader_core_builtins" in self.extensions)
+        props2 = _new_struct("VkPhysicalDeviceProperties2", vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2, chain[-1])
+        vk.vkGetPhysicalDeviceProperties2(pd, props2)
+        self._prop_chain = (chain, props2)
+
+        self.subgroup_size = subgroup.subgroupSize
+        self.subgroup_operations = subgroup.supportedOperations
+        self.min_subgroup_size = sgc.minSubgroupSize if sgc else self.subgroup_size
+        self.max_subgroup_size = sgc.maxSubgroupSize if sgc else self.subgroup_size
+        if v12 is not None:
+            self.driver_name = ffi.string(v12.driverName).decode()
+            self.driver_info = ffi.string(v12.driverInfo).decode()
+            self.driver_id = int(v12.driverID)
+        else:
+            self.driver_name, self.driver_info, self.driver_id = "unknown", "", 0
+        self.driver_version = props.driverVersion
+        self.vendor_id, self.device_id = props.vendorID, props.deviceID
+        self.dot_product_accelerated = bool(dot and dot.integerDotProduct4x8BitPackedUnsignedAccelerated)
+
+        # How many workgroups can be resident at once, as the vendor reports it (a hint; the probe measures).
+        if nv is not None:
+            self.compute_units, self.compute_units_source = int(nv.shaderSMCount), "VK_NV_shader_sm_builtins"
+        elif amd is not None:
+            self.compute_units = int(amd.activeComputeUnitCount)
+            self.compute_units_source = "VK_AMD_shader_core_properties2"
+        elif arm is not None:
+            self.compute_units, self.compute_units_source = int(arm.shaderCoreCount), "VK_ARM_shader_core_builtins"
+        elif self.is_lavapipe:
+            threads = os.environ.get("LP_NUM_THREADS")
+            if threads and threads.strip().isdigit():
+                self.compute_units, self.compute_units_source = int(threads), "lavapipe LP_NUM_THREADS"
+            else:
+                self.compute_units, self.compute_units_source = os.cpu_count() or 1, "lavapipe worker threads (CPU count)"
+        else:
+            self.compute_units, self.compute_units_source = None, None
+
+        # Features: query what exists, enable what vkmoe uses.
+        f13 = _new_struct("VkPhysicalDeviceVulkan13Features", vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_3_FEATURES) \
+            if self.api_version >= vk.VK_MAKE_VERSION(1, 3, 0) else None
+        f12 = _new_struct("VkPhysicalDeviceVulkan12Features", vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES, f13)
+        f11 = _new_struct("VkPhysicalDeviceVulkan11Features", vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_FEATURES, f12)
+        f2 = _new_struct("VkPhysicalDeviceFeatures2", vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2, f11)
+        vk.vkGetPhysicalDeviceFeatures2(pd, f2)
+        if self.api_version < vk.VK_MAKE_VERSION(1, 2, 0) or not f12.vulkanMemoryModel:
+            raise VkmoeError(f"{self.name}: vkmoe needs Vulkan 1.2 with the vulkanMemoryModel feature")
+        self.features = {
+            "vulkanMemoryModel": True,
+            "vulkanMemoryModelDeviceScope": bool(f12.vulkanMemoryModelDeviceScope),
+            "shaderFloat16": bool(f12.shaderFloat16),
+            "shaderInt8": bool(f12.shaderInt8),
+            "shaderInt16": bool(f2.features.shaderInt16),
+            "shaderInt64": bool(f2.features.shaderInt64),
+            "storageBuffer16BitAccess": bool(f11.storageBuffer16BitAccess),
+            "storageBuffer8BitAccess": bool(f12.storageBuffer8BitAccess),
+            "hostQueryReset": bool(f12.hostQueryReset),
+            "subgroupSizeControl": bool(f13 and f13.subgroupSizeControl),
+            "computeFullSubgroups": bool(f13 and f13.computeFullSubgroups),
+            "shaderIntegerDotProduct": bool(f13 and f13.shaderIntegerDotProduct),
+            "cooperativeMatrix": "VK_KHR_cooperative_matrix" in self.extensions,
+        }
+        for required in ("storageBuffer16BitAccess", "shaderInt16"):
+            if not self.features[required]:
+                raise VkmoeError(f"{self.name}: vkmoe needs the {required} feature")
+
+    @property
+    def is_lavapipe(self):
+        return "llvmpipe" in self.name.lower() or self.driver_name.lower() == "llvmpipe"
+
+    # ---------------------------------------------------------------------------------------- logical device
+    def _create_logical_device(self):
+        families = vk.vkGetPhysicalDeviceQueueFamilyProperties(self.physical)
+        candidates = [i for i, f in enumerate(families) if f.queueFlags & vk.VK_QUEUE_COMPUTE_BIT]
+        if not candidates:
+            raise VkmoeError(f"{self.name}: no queue family supports compute")
+        # Prefer a family with timestamps; among those the first (usually the universal queue).
+        candidates.sort(key=lambda i: families[i].timestampValidBits == 0)
+        self.queue_family = candidates[0]
+        self.timestamp_valid_bits = families[self.queue_family].timestampValidBits
+        f = self.features
+        f13 = None
+        if self.api_version >= vk.VK_MAKE_VERSION(1, 3, 0):
+            f13 = _new_struct("VkPhysicalDeviceVulkan13Features", vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_3_FEATURES)
+            f13.subgroupSizeControl = f["subgroupSizeControl"]
+            f13.computeFullSubgroups = f["computeFullSubgroups"]
+            f13.shaderIntegerDotProduct = f["shaderIntegerDotProduct"]
+        f12 = _new_struct("VkPhysicalDeviceVulkan12Features", vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES, f13)
+        f12.vulkanMemoryModel = 1
+        f12.vulkanMemoryModelDeviceScope = f["vulkanMemoryModelDeviceScope"]
+        f12.shaderFloat16 = f["shaderFloat16"]
+        f12.shaderInt8 = f["shaderInt8"]
+        f12.storageBuffer8BitAccess = f["storageBuffer8BitAccess"]
+        f12.hostQueryReset = f["hostQueryReset"]
+        f11 = _new_struct("VkPhysicalDeviceVulkan11Features", vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_FEATURES, f12)
+        f11.storageBuffer16BitAccess = 1
+        f2 = _new_struct("VkPhysicalDeviceFeatures2", vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2, f11)
+        f2.features.shaderInt16 = 1
+        f2.features.shaderInt64 = f["shaderInt64"]
+        priorities = ffi.new("float[1]", [1.0])
+        queue_info = ffi.new("VkDeviceQueueCreateInfo*")
+        queue_info.sType = vk.VK_STRUCTURE_TYPE_DEVICE_QUEUE_CREATE_INFO
+        queue_info.queueFamilyIndex = self.queue_family
+        queue_info.queueCount = 1
+        queue_info.pQueuePriorities = priorities
+        info = ffi.new("VkDeviceCreateInfo*")
+        info.sType = vk.VK_STRUCTURE_TYPE_DEVICE_CREATE_INFO
+        info.pNext = f2
+        info.queueCreateInfoCount = 1
+        info.pQueueCreateInfos = queue_info
+        handle = ffi.new("VkDevice*")
+        result = vk.lib.vkCreateDevice(self.physical, info, ffi.NULL, handle)
+        if result != vk.VK_SUCCESS:
+            raise VkmoeError(f"vkCreateDevice failed with VkResult {result} on {self.name}")
+        self.handle = handle[0]
+        self.queue = vk.vkGetDeviceQueue(self.handle, self.queue_family, 0)
+
+    # ------------------------------------------------------------------------------------------------ report
+    @property
+    def mesa_version(self):
+        """'22.3.6' for a Mesa driver, else None."""
+        import re
+
+        m = re.search(r"Mesa (\d+\.\d+\.\d+)", self.driver_info)
+        return m.group(1) if m else None
+
+    @property
+    def quirks(self):
+        """Driver behaviours found by measurement (cached per driver and device)."""
+        if self._quirks is None:
+            from .quirks import detect_quirks
+
+            self._quirks = detect_quirks(self)
+        return self._quirks
+
+    @property
+    def identity(self):
+        """A key naming this driver + device, for caches of measurements."""
+        return f"{self.name}|{self.driver_name}|{self.driver_info}|{self.driver_version:#x}|{self.vendor_id:#x}:{self.device_id:#x}"
+
+    def info(self):
+        L = self.limits
+        return {
+            "name": self.name,
+            "index": self.index,
+            "type": self.device_type,
+            "driver": self.driver_name,
+            "driver_info": self.driver_info,
+            "mesa_version": self.mesa_version,
+            "api": _version(self.api_version),
+            "vendor_id": self.vendor_id,
+            "device_id": self.device_id,
+            "subgroup_size": self.subgroup_size,
+            "subgroup_size_range": [self.min_subgroup_size, self.max_subgroup_size],
+            "compute_units": self.compute_units,
+            "compute_units_source": self.compute_units_source,
+            "limits": {
+                "max_shared_memory": L.maxComputeSharedMemorySize,
+                "max_workgroup_invocations": L.maxComputeWorkGroupInvocations,
+                "max_workgroup_size": list(L.maxComputeWorkGroupSize),
+                "max_workgroup_count": list(L.maxComputeWorkGroupCount),
+                "max_storage_buffer_range": L.maxStorageBufferRange,
+                "max_push_constants_size": L.maxPushConstantsSize,
+                "timestamp_period_ns": L.timestampPeriod,
+            },
+            "features": dict(self.features),
+            "integer_dot_product_accelerated": self.dot_product_accelerated,
+            "validation": self.validation,
+            "quirks": dict(self.quirks),
+        }
+
+    # ------------------------------------------------------------------------------------------- validation
+    def take_validation_messages(self):
+        """Return and clear the validation messages reported so far (always [] without VKMOE_VALIDATION=1)."""
+        messages = list(self.instance.messages)
+        self.instance.messages.clear()
+        return messages
+
+    def check_validation(self):
+        messages = self.take_validation_messages()
+        if messages:
+            raise ValidationError(f"{len(messages)} validation message(s); first: {messages[0]}")
+
+    # ------------------------------------------------------------------------------------------- lifetime
+    def track(self, obj):
+        self._children.append(obj)
+        return obj
+
+    def untrack(self, obj):
+        try:
+            self._children.remove(obj)
+        except ValueError:
+            pass
+
+    def wait_idle(self):
+        with self._lock:
+            call("vkDeviceWaitIdle", vk.vkDeviceWaitIdle, self.handle)
+
+    def close(self):
+        if self._closed:
+            return
+        try:
+            vk.vkDeviceWaitIdle(self.handle)
+        except Exception:  # a lost device still has to be destroyed
+            pass
+        for obj in reversed(list(self._children)):
+            obj.close()
+        self.memory.close()
+        vk.vkDestroyDevice(self.handle, None)
+        self._closed = True
+
+    @property
+    def closed(self):
+        return self._closed
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self):
+        return f"<vkmoe.Device {self.index}: {self.name} ({self.driver_info or self.driver_name})>"

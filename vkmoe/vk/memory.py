@@ -1,0 +1,289 @@
+"""Buffers sub-allocated from a few large memory blocks.
+
+A layer has thousands of small tensors; one vkAllocateMemory per tensor would hit the driver's allocation
+limit and cost time, so memory comes in blocks of BLOCK_BYTES, each with ONE VkBuffer spanning it, and a
+vkmoe Buffer is an (offset, size) range of a block, bound to descriptors with that offset and range.
+"""
+import threading
+
+import numpy as np
+import vulkan as vk
+
+from .errors import VkmoeError, call
+
+ffi = vk.ffi
+
+BLOCK_BYTES = 64 << 20
+_USAGE = (vk.VK_BUFFER_USAGE_STORAGE_BUFFER_BIT | vk.VK_BUFFER_USAGE_TRANSFER_SRC_BIT
+          | vk.VK_BUFFER_USAGE_TRANSFER_DST_BIT)
+_HOST = vk.VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT | vk.VK_MEMORY_PROPERTY_HOST_COHERENT_BIT
+
+
+class _Block:
+    """One VkDeviceMemory + a VkBuffer over all of it, with a first-fit free list."""
+
+    def __init__(self, manager, size, memory_type, mapped):
+        dev = manager.device
+        self.device = dev
+        self.size = size
+        self.memory_type = memory_type
+        info = vk.VkBufferCreateInfo(sType=vk.VK_STRUCTURE_TYPE_BUFFER_CREATE_INFO, size=size, usage=_USAGE,
+                                     sharingMode=vk.VK_SHARING_MODE_EXCLUSIVE)
+        self.buffer = call("vkCreateBuffer", vk.vkCreateBuffer, dev.handle, info, None)
+        req = vk.vkGetBufferMemoryRequirements(dev.handle, self.buffer)
+        if not (req.memoryTypeBits >> memory_type) & 1:
+            vk.vkDestroyBuffer(dev.handle, self.buffer, None)
+            raise VkmoeError("the chosen memory type cannot back storage buffers on this device")
+        alloc = vk.VkMemoryAllocateInfo(sType=vk.VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_INFO,
+                                        allocationSize=req.size, memoryTypeIndex=memory_type)
+        try:
+            self.memory = call("vkAllocateMemory", vk.vkAllocateMemory, dev.handle, alloc, None)
+        except Exception:
+            vk.vkDestroyBuffer(dev.handle, self.buffer, None)
+            raise
+        call("vkBindBufferMemory", vk.vkBindBufferMemory, dev.handle, self.buffer, self.memory, 0)
+        self.pointer = None
+        if mapped:
+            out = ffi.new("void**")
+            result = vk.lib.vkMapMemory(dev.handle, self.memory, 0, size, 0, out)
+            if result != vk.VK_SUCCESS:
+                self.destroy()
+                raise VkmoeError(f"vkMapMemory failed with VkResult {result}")
+            self.pointer = ffi.cast("char*", out[0])
+        self.free = [(0, size)]  # sorted (offset, size) holes
+
+    def allocate(self, size, alignment):
+        for i, (off, hole) in enumerate(self.free):
+            start = -(-off // alignment) * alignment
+            if start + size <= off + hole:
+                pieces = []
+                if start > off:
+                    pieces.append((off, start - off))
+                if off + hole > start + size:
+                    pieces.append((start + size, off + hole - start - size))
+                self.free[i:i + 1] = pieces
+                return start
+        return None
+
+    def release(self, offset, size):
+        self.free.append((offset, size))
+        self.free.sort()
+        merged = []
+        for off, sz in self.free:
+            if merged and merged[-1][0] + merged[-1][1] == off:
+                merged[-1] = (merged[-1][0], merged[-1][1] + sz)
+            else:
+                merged.append((off, sz))
+        self.free = merged
+
+    @property
+    def empty(self):
+        return self.free == [(0, self.size)]
+
+    def destroy(self):
+        h = self.device.handle
+        if self.pointer is not None:
+            vk.vkUnmapMemory(h, self.memory)
+        vk.vkDestroyBuffer(h, self.buffer, None)
+        vk.vkFreeMemory(h, self.memory, None)
+
+
+class Buffer:
+    """A range of device memory usable as a storage buffer.
+
+    Host-visible buffers expose `.array(dtype, shape)`, a zero-copy numpy view. Device-local ones are
+    filled and read with `upload()` / `download()` (a direct copy where the memory is host-visible anyway,
+    as on lavapipe; else through a staging buffer and a transfer command).
+    """
+
+    def __init__(self, manager, block, offset, size, host_visible):
+        self._manager = manager
+        self.block = block
+        self.offset = offset
+        self.size = size
+        self.host_visible = host_visible
+        self._closed = False
+
+    @property
+    def handle(self):
+        return self.block.buffer
+
+    @property
+    def device(self):
+        return self._manager.device
+
+    def _check_open(self):
+        if self._closed:
+            raise VkmoeError("buffer used after close()")
+
+    def array(self, dtype, shape=None):
+        """Zero-copy numpy view of a host-visible buffer (valid until close())."""
+        self._check_open()
+        if self.block.pointer is None:
+            raise VkmoeError("array() needs a host-visible buffer; use download() for device-local memory")
+        dtype = np.dtype(dtype)
+        count = self.size // dtype.itemsize if shape is None else int(np.prod(shape))
+        if count * dtype.itemsize > self.size:
+            raise ValueError(f"shape {shape} of {dtype} needs {count * dtype.itemsize} bytes; buffer has {self.size}")
+        view = np.frombuffer(ffi.buffer(self.block.pointer + self.offset, count * dtype.itemsize), dtype=dtype)
+        return view if shape is None else view.reshape(shape)
+
+    def upload(self, data, offset=0):
+        """Copy a numpy array (any shape, C order) into the buffer at byte `offset`."""
+        self._check_open()
+        if not isinstance(data, np.ndarray):
+            raise TypeError(f"upload() expects a numpy array, got {type(data).__name__}")
+        if data.dtype == object:
+            raise TypeError("upload() expects a numeric numpy array, got dtype object")
+        raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+        if offset < 0 or offset + raw.nbytes > self.size:
+            raise ValueError(f"upload of {raw.nbytes} bytes at offset {offset} does not fit a {self.size}-byte buffer")
+        self._manager.write(self, offset, raw)
+
+    def download(self, dtype=np.uint8, shape=None, offset=0):
+        """Read the buffer (or `shape` elements of `dtype` from byte `offset`) into a new numpy array."""
+        self._check_open()
+        dtype = np.dtype(dtype)
+        count = (self.size - offset) // dtype.itemsize if shape is None else int(np.prod(shape))
+        nbytes = count * dtype.itemsize
+        if offset < 0 or offset + nbytes > self.size:
+            raise ValueError(f"download of {nbytes} bytes at offset {offset} exceeds the {self.size}-byte buffer")
+        raw = self._manager.read(self, offset, nbytes)
+        out = raw.view(dtype)
+        return out if shape is None else out.reshape(shape)
+
+    def close(self):
+        if not self._closed:
+            self._closed = True
+            self._manager.release(self)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        kind = "host" if self.host_visible else "device"
+        return f"<vkmoe.Buffer {self.size} B {kind} @ {self.offset}>"
+
+
+class MemoryManager:
+    """Owns the blocks of one Device and hands out Buffers."""
+
+    def __init__(self, device):
+        self.device = device
+        self._lock = threading.Lock()
+        self._blocks = {False: [], True: []}
+        props = vk.vkGetPhysicalDeviceMemoryProperties(device.physical)
+        types = [(i, props.memoryTypes[i].propertyFlags, props.memoryTypes[i].heapIndex)
+                 for i in range(props.memoryTypeCount)]
+        heap_size = {i: props.memoryHeaps[i].size for i in range(props.memoryHeapCount)}
+        local = [t for t in types if t[1] & vk.VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT]
+        # Device memory: the largest device-local heap; within it prefer memory the CPU cannot see (the
+        # real VRAM on a discrete GPU). On a unified-memory device (lavapipe) it is also host-visible.
+        local.sort(key=lambda t: (-heap_size[t[2]], bool(t[1] & vk.VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT)))
+        host = [t for t in types if (t[1] & _HOST) == _HOST]
+        if not host:
+            raise VkmoeError(f"{device.name}: no host-visible coherent memory type")
+        # Host memory: prefer cached (fast reads back) and not device-local (keep VRAM for weights).
+        host.sort(key=lambda t: (not t[1] & vk.VK_MEMORY_PROPERTY_HOST_CACHED_BIT,
+                                 bool(t[1] & vk.VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT)))
+        self.device_type = (local or host)[0][0]
+        self.device_mappable = bool((local or host)[0][1] & vk.VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT) and bool(
+            (local or host)[0][1] & vk.VK_MEMORY_PROPERTY_HOST_COHERENT_BIT)
+        self.host_type = host[0][0]
+        limits = device.limits
+        self.alignment = max(256, limits.minStorageBufferOffsetAlignment)
+        self.max_range = limits.maxStorageBufferRange
+        self._staging = None
+        self._transfer = None
+
+    def allocate(self, nbytes, host_visible=False):
+        nbytes = int(nbytes)
+        if nbytes <= 0:
+            raise ValueError(f"buffer size must be positive, got {nbytes}")
+        if nbytes > self.max_range:
+            raise ValueError(f"buffer of {nbytes} bytes exceeds this device's maxStorageBufferRange "
+                             f"({self.max_range} bytes); split the data")
+        size = -(-nbytes // 16) * 16
+        mapped = host_visible or self.device_mappable
+        with self._lock:
+            blocks = self._blocks[host_visible]
+            for block in blocks:
+                offset = block.allocate(size, self.alignment)
+                if offset is not None:
+                    return Buffer(self, block, offset, nbytes, host_visible)
+            memory_type = self.host_type if host_visible else self.device_type
+            block = _Block(self, max(BLOCK_BYTES, size), memory_type, mapped)
+            blocks.append(block)
+            offset = block.allocate(size, self.alignment)
+            return Buffer(self, block, offset, nbytes, host_visible)
+
+    def release(self, buf):
+        size = -(-buf.size // 16) * 16
+        with self._lock:
+            buf.block.release(buf.offset, size)
+            blocks = self._blocks[buf.host_visible]
+            # Keep one empty block per kind for reuse; give the others back to the driver.
+            if buf.block.empty and sum(b.empty for b in blocks) > 1:
+                blocks.remove(buf.block)
+                buf.block.destroy()
+
+    def block_count(self):
+        return sum(len(b) for b in self._blocks.values())
+
+    # -------------------------------------------------------------------------------------- data movement
+    def _staging_buffer(self, nbytes):
+        if self._staging is None or self._staging.size < nbytes:
+            if self._staging is not None:
+                self._staging.close()
+            self._staging = self.allocate(max(nbytes, 1 << 20), host_visible=True)
+        return self._staging
+
+    def _copy(self, src, src_off, dst, dst_off, nbytes):
+        from .commands import CommandRecorder
+
+        if self._transfer is None:
+            self._transfer = CommandRecorder(self.device, untracked=True)
+        rec = self._transfer
+        rec.begin()
+        rec.copy(src, dst, nbytes, src_offset=src_off, dst_offset=dst_off)
+        rec.end()
+        rec.submit(wait=True)
+
+    _CHUNK = 32 << 20
+
+    def write(self, buf, offset, raw):
+        if buf.block.pointer is not None:
+            ffi.memmove(buf.block.pointer + buf.offset + offset, ffi.from_buffer(raw), raw.nbytes)
+            return
+        with self.device._lock:
+            for start in range(0, raw.nbytes, self._CHUNK):
+                part = raw[start:start + self._CHUNK]
+                staging = self._staging_buffer(min(raw.nbytes, self._CHUNK))
+                ffi.memmove(staging.block.pointer + staging.offset, ffi.from_buffer(part), part.nbytes)
+                self._copy(staging, 0, buf, offset + start, part.nbytes)
+
+    def read(self, buf, offset, nbytes):
+        out = np.empty(nbytes, dtype=np.uint8)
+        if buf.block.pointer is not None:
+            ffi.memmove(ffi.from_buffer(out), buf.block.pointer + buf.offset + offset, nbytes)
+            return out
+        with self.device._lock:
+            for start in range(0, nbytes, self._CHUNK):
+                n = min(self._CHUNK, nbytes - start)
+                staging = self._staging_buffer(min(nbytes, self._CHUNK))
+                self._copy(buf, offset + start, staging, 0, n)
+                ffi.memmove(ffi.from_buffer(out[start:start + n]), staging.block.pointer + staging.offset, n)
+        return out
+
+    def close(self):
+        if self._transfer is not None:
+            self._transfer.close()
+            self._transfer = None
+        self._staging = None
+        for blocks in self._blocks.values():
+            for block in blocks:
+                block.destroy()
+            blocks.clear()

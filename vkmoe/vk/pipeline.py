@@ -1,0 +1,241 @@
+"""Compute pipelines from the package's SPIR-V, with typed push constants and specialization constants.
+
+Push constants are numpy structured dtypes (`PushConstants` subclasses), never untyped lists of numbers, and
+their size is checked against the block the shader declares (read from the SPIR-V). Specialization constants
+are typed by the shader itself: the host value is converted to the declared type, and an id the shader does
+not declare is an error.
+"""
+import os
+import struct
+
+import numpy as np
+import vulkan as vk
+
+from . import spirv
+from .errors import VkmoeError, call
+
+ffi = vk.ffi
+SPV_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_spv")
+
+
+def load_spirv(name):
+    path = os.path.join(SPV_DIR, name + ".spv")
+    if not os.path.exists(path):
+        raise VkmoeError(
+            f"compiled shader {name}.spv not found in {SPV_DIR}; build it with `python setup.py build_shaders` "
+            "(needs glslc) or copy a prebuilt vkmoe/_spv/"
+        )
+    with open(path, "rb") as f:
+        return f.read()
+
+
+class PushConstants:
+    """Base of typed push-constant blocks. Subclasses set `fields = [(name, numpy dtype), ...]` in the
+    order and with the 4-byte types the GLSL block declares."""
+
+    fields = []
+
+    def __init__(self, **values):
+        dtype = self.dtype()
+        unknown = set(values) - set(dtype.names or ())
+        if unknown:
+            raise TypeError(f"{type(self).__name__} has no field(s) {sorted(unknown)}; fields: {dtype.names}")
+        missing = set(dtype.names or ()) - set(values)
+        if missing:
+            raise TypeError(f"{type(self).__name__} needs field(s) {sorted(missing)}")
+        self._record = np.zeros((), dtype=dtype)
+        for name, value in values.items():
+            kind = dtype.fields[name][0]
+            if kind.kind in "ui":
+                info = np.iinfo(kind)
+                if not info.min <= int(value) <= info.max:
+                    raise ValueError(f"{type(self).__name__}.{name}={value} does not fit {kind}")
+                self._record[name] = int(value)
+            else:
+                self._record[name] = value
+
+    @classmethod
+    def dtype(cls):
+        return np.dtype(list(cls.fields))
+
+    @classmethod
+    def size(cls):
+        return cls.dtype().itemsize
+
+    def tobytes(self):
+        return self._record.tobytes()
+
+
+_SPEC_PACK = {"bool": "<I", "int32": "<i", "uint32": "<I", "float32": "<f"}
+
+
+class Pipeline:
+    """One compute pipeline: shader module, descriptor set layout (storage buffers 0..n-1), layout, pipeline."""
+
+    def __init__(self, device, shader, push=None, spec=None, required_subgroup_size=None):
+        self.device = device
+        self.name = shader
+        code = load_spirv(shader)
+        self.interface = spirv.reflect(code)
+        self.push_type = push
+        declared = self.interface.push_constant_size
+        given = push.size() if push is not None else 0
+        if declared != given:
+            raise VkmoeError(f"{shader}: the shader declares a {declared}-byte push-constant block but "
+                             f"{push.__name__ if push else 'no push type'} is {given} bytes")
+        if self.interface.bindings != list(range(len(self.interface.bindings))):
+            raise VkmoeError(f"{shader}: storage-buffer bindings must be 0..n-1, got {self.interface.bindings}")
+        self.binding_count = len(self.interface.bindings)
+        self.spec = dict(spec or {})
+        h = device.handle
+        self._module = call("vkCreateShaderModule", vk.vkCreateShaderModule, h, vk.VkShaderModuleCreateInfo(
+            sType=vk.VK_STRUCTURE_TYPE_SHADER_MODULE_CREATE_INFO, codeSize=len(code), pCode=code), None)
+        bindings = [vk.VkDescriptorSetLayoutBinding(binding=i, descriptorType=vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER,
+                                                    descriptorCount=1, stageFlags=vk.VK_SHADER_STAGE_COMPUTE_BIT)
+                    for i in range(self.binding_count)]
+        self.set_layout = call("vkCreateDescriptorSetLayout", vk.vkCreateDescriptorSetLayout, h,
+                               vk.VkDescriptorSetLayoutCreateInfo(
+                                   sType=vk.VK_STRUCTURE_TYPE_DESCRIPTOR_SET_LAYOUT_CREATE_INFO,
+                                   bindingCount=len(bindings), pBindings=bindings or None), None)
+        ranges = [vk.VkPushConstantRange(stageFlags=vk.VK_SHADER_STAGE_COMPUTE_BIT, offset=0, size=given)] if given else []
+        self.layout = call("vkCreatePipelineLayout", vk.vkCreatePipelineLayout, h, vk.VkPipelineLayoutCreateInfo(
+            sType=vk.VK_STRUCTURE_TYPE_PIPELINE_LAYOUT_CREATE_INFO, setLayoutCount=1, pSetLayouts=[self.set_layout],
+            pushConstantRangeCount=len(ranges), pPushConstantRanges=ranges or None), None)
+        self._create_pipeline(required_subgroup_size)
+        self._pool = _DescriptorPools(device, self.binding_count)
+        device.track(self)
+
+    def _create_pipeline(self, required_subgroup_size):
+        declared = self.interface.spec_constants
+        entries, data = [], b""
+        for spec_id, value in sorted(self.spec.items()):
+            if spec_id not in declared:
+                raise VkmoeError(f"{self.name}: specialization constant id {spec_id} is not declared by the shader "
+                                 f"(declared: {sorted(declared)})")
+            kind = declared[spec_id]
+            if kind not in _SPEC_PACK:
+                raise VkmoeError(f"{self.name}: specialization constant {spec_id} has unsupported type {kind}")
+            value = bool(value) if kind == "bool" else value
+            packed = struct.pack(_SPEC_PACK[kind], int(value) if kind != "float32" else float(value))
+            entries.append((spec_id, len(data), 4))
+            data += packed
+        keep = []
+        stage = ffi.new("VkPipelineShaderStageCreateInfo*")
+        stage.sType = vk.VK_STRUCTURE_TYPE_PIPELINE_SHADER_STAGE_CREATE_INFO
+        stage.stage = vk.VK_SHADER_STAGE_COMPUTE_BIT
+        stage.module = self._module
+        entry_name = ffi.new("char[]", b"main")
+        stage.pName = entry_name
+        keep.append(entry_name)
+        if entries:
+            map_entries = ffi.new("VkSpecializationMapEntry[]", len(entries))
+            for i, (cid, off, size) in enumerate(entries):
+                map_entries[i].constantID, map_entries[i].offset, map_entries[i].size = cid, off, size
+            blob = ffi.new("char[]", data)
+            spec_info = ffi.new("VkSpecializationInfo*")
+            spec_info.mapEntryCount = len(entries)
+            spec_info.pMapEntries = map_entries
+            spec_info.dataSize = len(data)
+            spec_info.pData = blob
+            stage.pSpecializationInfo = spec_info
+            keep += [map_entries, blob, spec_info]
+        if required_subgroup_size:
+            req = ffi.new("VkPipelineShaderStageRequiredSubgroupSizeCreateInfo*")
+            req.sType = vk.VK_STRUCTURE_TYPE_PIPELINE_SHADER_STAGE_REQUIRED_SUBGROUP_SIZE_CREATE_INFO
+            req.requiredSubgroupSize = required_subgroup_size
+            stage.pNext = req
+            keep.append(req)
+        info = ffi.new("VkComputePipelineCreateInfo*")
+        info.sType = vk.VK_STRUCTURE_TYPE_COMPUTE_PIPELINE_CREATE_INFO
+        info.stage = stage[0]
+        info.layout = self.layout
+        out = ffi.new("VkPipeline*")
+        result = vk.lib.vkCreateComputePipelines(self.device.handle, ffi.NULL, 1, info, ffi.NULL, out)
+        if result != vk.VK_SUCCESS:
+            raise VkmoeError(f"vkCreateComputePipelines({self.name}) failed with VkResult {result}")
+        self.handle = out[0]
+
+    def push(self, **values):
+        if self.push_type is None:
+            raise VkmoeError(f"{self.name} takes no push constants")
+        return self.push_type(**values)
+
+    def bind(self, *buffers):
+        """A descriptor set binding `buffers` (vkmoe Buffers, in binding order) to this pipeline's layout."""
+        if len(buffers) != self.binding_count:
+            raise VkmoeError(f"{self.name} binds {self.binding_count} buffers, got {len(buffers)}")
+        for i, b in enumerate(buffers):
+            if b is None or getattr(b, "_closed", True):
+                raise VkmoeError(f"{self.name}: binding {i} is not an open vkmoe Buffer")
+        return self._pool.allocate(self.set_layout, buffers)
+
+    def close(self):
+        if self.handle is None:
+            return
+        h = self.device.handle
+        self._pool.close()
+        vk.vkDestroyPipeline(h, self.handle, None)
+        vk.vkDestroyPipelineLayout(h, self.layout, None)
+        vk.vkDestroyDescriptorSetLayout(h, self.set_layout, None)
+        vk.vkDestroyShaderModule(h, self._module, None)
+        self.handle = None
+        self.device.untrack(self)
+
+
+class DescriptorSet:
+    def __init__(self, pools, pool, handle, buffers):
+        self._pools, self._pool, self.handle, self.buffers = pools, pool, handle, buffers
+
+    def free(self):
+        if self.handle is not None:
+            self._pools.free(self._pool, self.handle)
+            self.handle = None
+
+
+class _DescriptorPools:
+    """Growable descriptor pools for one pipeline's sets (sets are small; pools hold 64 each)."""
+
+    SETS_PER_POOL = 64
+
+    def __init__(self, device, binding_count):
+        self.device = device
+        self.binding_count = max(1, binding_count)
+        self.pools = []  # [handle, free slots]
+
+    def _new_pool(self):
+        size = vk.VkDescriptorPoolSize(type=vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER,
+                                       descriptorCount=self.SETS_PER_POOL * self.binding_count)
+        handle = call("vkCreateDescriptorPool", vk.vkCreateDescriptorPool, self.device.handle,
+                      vk.VkDescriptorPoolCreateInfo(sType=vk.VK_STRUCTURE_TYPE_DESCRIPTOR_POOL_CREATE_INFO,
+                                                    flags=vk.VK_DESCRIPTOR_POOL_CREATE_FREE_DESCRIPTOR_SET_BIT,
+                                                    maxSets=self.SETS_PER_POOL, poolSizeCount=1, pPoolSizes=[size]),
+                      None)
+        entry = [handle, self.SETS_PER_POOL]
+        self.pools.append(entry)
+        return entry
+
+    def allocate(self, layout, buffers):
+        entry = next((p for p in self.pools if p[1] > 0), None) or self._new_pool()
+        sets = call("vkAllocateDescriptorSets", vk.vkAllocateDescriptorSets, self.device.handle,
+                    vk.VkDescriptorSetAllocateInfo(sType=vk.VK_STRUCTURE_TYPE_DESCRIPTOR_SET_ALLOCATE_INFO,
+                                                   descriptorPool=entry[0], descriptorSetCount=1, pSetLayouts=[layout]))
+        entry[1] -= 1
+        handle = sets[0]
+        if buffers:
+            infos = [vk.VkDescriptorBufferInfo(buffer=b.handle, offset=b.offset, range=b.size) for b in buffers]
+            writes = [vk.VkWriteDescriptorSet(sType=vk.VK_STRUCTURE_TYPE_WRITE_DESCRIPTOR_SET, dstSet=handle,
+                                              dstBinding=i, descriptorCount=1,
+                                              descriptorType=vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER,
+                                              pBufferInfo=[info]) for i, info in enumerate(infos)]
+            vk.vkUpdateDescriptorSets(self.device.handle, len(writes), writes, 0, None)
+        return DescriptorSet(self, entry, handle, tuple(buffers))
+
+    def free(self, entry, handle):
+        if entry in self.pools:
+            vk.vkFreeDescriptorSets(self.device.handle, entry[0], 1, [handle])
+            entry[1] += 1
+
+    def close(self):
+        for handle, _ in self.pools:
+            vk.vkDestroyDescriptorPool(self.device.handle, handle, None)
+        self.pools = []
