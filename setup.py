@@ -18,8 +18,23 @@ SPV_DIR = os.path.join(HERE, "vkmoe", "_spv")
 GLSLC_FLAGS = ["--target-env=vulkan1.2", "-O", "-I", os.path.join(SHADER_DIR, "include")]
 
 
+def shader_variants(src):
+    """[(output name, extra glslc flags)] for one shader: the plain build, plus one per
+    `// vkmoe-variants: suffix=-DFLAG ...` entry (e.g. the integer-dot-product build `NAME_idot`)."""
+    base = os.path.splitext(os.path.basename(src))[0]
+    out = [(base, [])]
+    with open(src) as f:
+        for line in f:
+            if line.startswith("// vkmoe-variants:"):
+                for item in line.split(":", 1)[1].split():
+                    suffix, flags = item.split("=", 1)
+                    out.append((f"{base}_{suffix}", flags.split(",")))
+    return out
+
+
 def compile_shaders(force=False, verbose=True):
-    """Compile every shaders/*.comp that is older than its output or any include. Returns the count built."""
+    """Compile every shaders/*.comp (and its variants) that is older than its source or any include.
+    Returns the number of SPIR-V files built."""
     glslc = shutil.which("glslc")
     sources = sorted(glob.glob(os.path.join(SHADER_DIR, "*.comp")))
     includes = glob.glob(os.path.join(SHADER_DIR, "include", "*.glsl"))
@@ -27,20 +42,21 @@ def compile_shaders(force=False, verbose=True):
     os.makedirs(SPV_DIR, exist_ok=True)
     built = 0
     for src in sources:
-        out = os.path.join(SPV_DIR, os.path.splitext(os.path.basename(src))[0] + ".spv")
-        if not force and os.path.exists(out):
-            if os.path.getmtime(out) >= max(os.path.getmtime(src), newest_include):
-                continue
-        if glslc is None:
-            raise SystemExit(
-                "vkmoe: glslc (the shaderc GLSL compiler) is required to build shaders/*.comp; "
-                "install it with `apt-get install glslc` (Debian/Ubuntu), or copy a prebuilt vkmoe/_spv/."
-            )
-        cmd = [glslc, *GLSLC_FLAGS, src, "-o", out]
-        if verbose:
-            print("glslc", os.path.relpath(src, HERE), "->", os.path.relpath(out, HERE))
-        subprocess.run(cmd, check=True)
-        built += 1
+        for name, flags in shader_variants(src):
+            out = os.path.join(SPV_DIR, name + ".spv")
+            if not force and os.path.exists(out):
+                if os.path.getmtime(out) >= max(os.path.getmtime(src), newest_include):
+                    continue
+            if glslc is None:
+                raise SystemExit(
+                    "vkmoe: glslc (the shaderc GLSL compiler) is required to build shaders/*.comp; "
+                    "install it with `apt-get install glslc` (Debian/Ubuntu), or copy a prebuilt vkmoe/_spv/."
+                )
+            cmd = [glslc, *GLSLC_FLAGS, *flags, src, "-o", out]
+            if verbose:
+                print("glslc", " ".join(flags), os.path.relpath(src, HERE), "->", os.path.relpath(out, HERE))
+            subprocess.run(cmd, check=True)
+            built += 1
     return built
 
 

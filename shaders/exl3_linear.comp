@@ -1,0 +1,89 @@
+#version 450
+// vkmoe-variants: idot=-DEXL3_IDOT
+// EXL3 linear GEMM with fused output Hadamard: y = RN16(RN16(FWHT(xh · Ŵ) * r) * svh) (+ bias), spec section 6.
+// Grid: (bands = n / 128, k-splits, row chunks of GEMM_ROWS). Each workgroup writes its fp32 partial for its
+// band and k-split; the last of a band's k-splits to arrive (an atomic counter, no waiting) sums the partials
+// in split order - deterministic - and applies the output Hadamard. The counter resets itself.
+#include "common.glsl"
+#define WG_SIZE 256u
+#define HAD_ROWS 4u
+layout(local_size_x = 256) in;
+layout(constant_id = 0) const int K = 4;
+layout(constant_id = 1) const int CB = 2;
+layout(constant_id = 2) const int GEMM_ROWS = 16;
+layout(constant_id = 3) const bool HAS_BIAS = false;
+
+layout(std430, binding = 0) readonly buffer XH { uint xh[]; };       // (m, k) fp16, input Hadamard applied
+layout(std430, binding = 1) readonly buffer Trellis { uint trellis[]; };
+layout(std430, binding = 2) readonly buffer Svh { uint svh[]; };     // (n,) fp16
+layout(std430, binding = 3) readonly buffer Bias { uint bias[]; };   // (n,) fp16 (unused without HAS_BIAS)
+layout(std430, binding = 4) writeonly buffer Y { uint y[]; };        // (m, n) fp16
+layout(std430, binding = 5) buffer Partial { float partial[]; };     // (splits, m, n) fp32
+layout(std430, binding = 6) buffer Counters { uint counters[]; };    // one per (row chunk, band), start at 0
+layout(push_constant) uniform Push { uint m; uint k; uint n; uint splits; uint kt_per_split; } pc;
+
+uint gemm_a_word(const int src, uint index) { return xh[index]; }
+uint gemm_b_word(const int src, uint index) { return trellis[index]; }
+#include "exl3_decode.glsl"
+#include "hadamard128.glsl"
+#include "exl3_gemm.glsl"
+
+shared bool s_last;
+
+void main() {
+    uint tid = gl_LocalInvocationID.x;
+    uint band = gl_WorkGroupID.x, split = gl_WorkGroupID.y, chunk = gl_WorkGroupID.z;
+    uint row0 = chunk * uint(GEMM_ROWS);
+    uint nr = min(uint(GEMM_ROWS), pc.m - row0);
+    uint tiles_k = pc.k / 16u, tiles_n = pc.n / 16u;
+    uint kt0 = split * pc.kt_per_split, kt1 = min(tiles_k, kt0 + pc.kt_per_split);
+
+    gemm_clear();
+    gemm_accumulate(0, 0, K, CB, row0 * (pc.k / 2u), pc.k / 2u, nr, 0u, tiles_n, band, kt0, kt1);
+
+    for (uint r0 = 0u; r0 < nr; r0 += 4u) {
+        barrier();
+        gemm_stage_rows(r0);
+        barrier();
+        for (uint i = tid; i < 4u * 128u; i += WG_SIZE) {
+            uint rr = i >> 7, col = i & 127u;
+            if (r0 + rr < nr)
+                partial[(split * pc.m + row0 + r0 + rr) * pc.n + band * 128u + col] = gemm_red_sum(rr, col);
+        }
+    }
+    WG_BARRIER_DEVICE();
+    if (tid == 0u) {
+        uint c = chunk * (pc.n / 128u) + band;
+        uint arrived = atomicAdd(counters[c], 1u, gl_ScopeQueueFamily, gl_StorageSemanticsBuffer,
+                                 gl_SemanticsAcquireRelease);
+        s_last = arrived == pc.splits - 1u;
+        if (s_last) atomicStore(counters[c], 0u, gl_ScopeQueueFamily, gl_StorageSemanticsBuffer, gl_SemanticsRelaxed);
+    }
+    WG_BARRIER_DEVICE();
+    if (!s_last) return;
+
+    for (uint r0 = 0u; r0 < nr; r0 += 4u) {
+        for (uint i = tid; i < 4u * 128u; i += WG_SIZE) {
+            uint rr = i >> 7, col = i & 127u;
+            float v = 0.0;
+            if (r0 + rr < nr) {
+                uint e = (row0 + r0 + rr) * pc.n + band * 128u + col;
+                for (uint s = 0u; s < pc.splits; ++s) v += partial[s * pc.m * pc.n + e];
+            }
+            had_buf[i] = v;
+        }
+        barrier();
+        had_fwht(4u);
+        for (uint i = tid; i < 4u * 64u; i += WG_SIZE) {
+            uint rr = i >> 6, c = band * 128u + (i & 63u) * 2u;
+            if (r0 + rr < nr) {
+                uint b = rr * 128u + (i & 63u) * 2u;
+                vec2 s = unpackHalf2x16(svh[c >> 1]);
+                vec2 v = vec2(rn16(rn16(had_buf[b] * HAD_SCALE) * s.x), rn16(rn16(had_buf[b + 1u] * HAD_SCALE) * s.y));
+                if (HAS_BIAS) v += unpackHalf2x16(bias[c >> 1]);
+                y[((row0 + r0 + rr) * pc.n + c) >> 1] = packHalf2x16(v);
+            }
+        }
+        barrier();
+    }
+}

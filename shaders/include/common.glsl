@@ -1,0 +1,17 @@
+// Declarations every vkmoe compute shader shares: the Vulkan memory model and 256-invocation workgroups.
+#ifndef COMMON_GLSL
+#define COMMON_GLSL
+#pragma use_vulkan_memory_model
+#extension GL_KHR_memory_scope_semantics : require
+#extension GL_EXT_control_flow_attributes : require
+
+// fp16 arrays live in buffers as packed uint words (two values per word, low half first): portable without
+// 16-bit storage and one load per pair.
+float f16_at(uint word, uint index) { vec2 v = unpackHalf2x16(word); return (index & 1u) == 0u ? v.x : v.y; }
+
+// Everything written before this call by any invocation of the workgroup is visible device-wide to whoever
+// acquires after the release that follows (and the reverse for the acquire side).
+#define WG_BARRIER_DEVICE() controlBarrier(gl_ScopeWorkgroup, gl_ScopeQueueFamily, \
+    gl_StorageSemanticsBuffer | gl_StorageSemanticsShared, \
+    gl_SemanticsAcquireRelease | gl_SemanticsMakeAvailable | gl_SemanticsMakeVisible)
+#endif

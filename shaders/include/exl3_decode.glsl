@@ -1,0 +1,78 @@
+// EXL3 trellis decoding (spec sections 3 and 4): 16-bit state extraction for K = 1..8 and the three codebooks.
+//
+// Work split (one "lane" = one invocation): a 16x16 tile is decoded by 8 lanes. Lane q of a tile reads the
+// tile's 32-bit words K*q .. K*q+K-1 plus the word before them (the tail-biting wrap for q = 0) and decodes
+// positions 32q .. 32q+31, which under the tensor-core permutation are all 16 k-rows of the two n-columns q
+// and q+8. So a lane produces two complete column dot products per tile and needs no cross-lane reduction.
+//
+// The caller includes this after declaring nothing special; every function is pure.
+
+#ifndef EXL3_DECODE_GLSL
+#define EXL3_DECODE_GLSL
+
+#define CB_3INST 0
+#define CB_MCG 1
+#define CB_MUL1 2
+
+#ifdef EXL3_IDOT
+// OpUDot with the 4x8-bit packed format: the byte sum of a word in one instruction (PERF-NOTES item 1).
+#extension GL_EXT_spirv_intrinsics : require
+spirv_instruction(extensions = ["SPV_KHR_integer_dot_product"], capabilities = [6019, 6018], id = 4451)
+uint spv_udot_packed(uint a, uint b, spirv_literal int packed_format);
+uint byte_sum(uint x) { return spv_udot_packed(x, 0x01010101u, 0); }
+#else
+uint byte_sum(uint x) {
+    uint pairs = (x & 0x00FF00FFu) + ((x >> 8) & 0x00FF00FFu);
+    return (pairs & 0xFFFFu) + (pairs >> 16);
+}
+#endif
+
+// Round two fp32 values to fp16 and back (one rounding each, round-to-nearest-even).
+vec2 round_f16(vec2 v) { return unpackHalf2x16(packHalf2x16(v)); }
+
+// Codebook value of a 16-bit state, before the final fp16 rounding (exact in fp32 for every codebook):
+//  mul1: (1024 + B) * c1 + c0 with c1 = fp16 0x1EEE, c0 = fp16 0xC931. Each step is exact in fp32 (products
+//        are multiples of 2^-18 below 2^4), so one rounding to fp16 afterwards equals the CUDA fused fp16 fma,
+//        on any driver, fused or not.
+//  3inst/mcg: a + b of the two fp16 halves of (x & 0x8FFF8FFF) ^ 0x3B603B60; exact in fp32, so rounding the
+//        fp32 sum once equals the fp16 add.
+float codebook_unrounded(uint state, int cb) {
+    if (cb == CB_MUL1) {
+        uint x = state * 0x83DCD12Du;
+        return float(1024u + byte_sum(x)) * 0.00676727294921875 + (-10.3828125);
+    }
+    uint x = (cb == CB_MCG) ? state * 0xCBAC1FEDu : state * 89226354u + 64248484u;
+    vec2 ab = unpackHalf2x16((x & 0x8FFF8FFFu) ^ 0x3B603B60u);
+    return ab.x + ab.y;
+}
+
+// The 16 stream bits ending at bit e of a lane's segment (MSB-first). w[0] is the word before the segment,
+// w[1 .. K] the segment's words. e and everything derived from it are constants after unrolling.
+uint lane_state(const uint w[9], const int e) {
+    int ia = (e - 16 + 32) >> 5;       // word holding the state's first bit (0 = previous word)
+    int ic = ((e - 1) >> 5) + 1;       // word holding its last bit
+    int shift = 32 * ic - e;
+    uint lo = w[ic] >> shift;
+    uint hi = shift == 0 ? 0u : (w[ia] << (32 - shift));
+    return (lo | hi) & 0xFFFFu;
+}
+
+// Row (k index inside the tile, 0..15) of lane position j (0..31); the column is q for j & 4 == 0, else q + 8.
+int lane_row(const int j) { return 2 * (j >> 3) + (j & 1) + 8 * ((j >> 1) & 1); }
+
+// Decode the 32 values of one lane into fp16-exact floats: vals[j] for j = 0..31.
+// words: the lane's K words, prev: the word before them within the tile.
+void decode_lane(const int K, const int cb, uint words[8], uint prev, out float vals[32]) {
+    uint w[9];
+    w[0] = prev;
+    for (int i = 0; i < 8; ++i) w[i + 1] = words[i];
+    [[unroll]] for (int j = 0; j < 32; j += 2) {
+        float a = codebook_unrounded(lane_state(w, (j + 1) * K), cb);
+        float b = codebook_unrounded(lane_state(w, (j + 2) * K), cb);
+        vec2 r = round_f16(vec2(a, b));
+        vals[j] = r.x;
+        vals[j + 1] = r.y;
+    }
+}
+
+#endif
