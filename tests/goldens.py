@@ -1,0 +1,90 @@
+"""Shared access to the golden test vectors (../shared/golden/*.npz, see its README.md).
+
+A missing golden directory is an error, not a skip: silently skipping would hide that nothing was checked.
+"""
+from __future__ import annotations
+
+import glob
+import os
+from types import SimpleNamespace
+
+import numpy as np
+
+from vkmoe.exl3 import Exl3Tensor
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GOLDEN_DIR = os.environ.get("VKMOE_GOLDEN_DIR") or os.path.normpath(os.path.join(_REPO, "..", "shared", "golden"))
+ACTIVATION_NAMES = {0: "silu", 1: "gelu", 2: "relu2", 3: "swiglu_oai"}
+
+
+def golden_files() -> list:
+    """Sorted paths of every golden .npz; raises if there are none."""
+    files = sorted(glob.glob(os.path.join(GOLDEN_DIR, "*.npz")))
+    if not files:
+        raise FileNotFoundError(
+            f"no golden vectors (*.npz) in {GOLDEN_DIR!r}; set VKMOE_GOLDEN_DIR to the shared/golden directory")
+    return files
+
+
+def _experts(z, proj: str, codebook: str):
+    key = f"{proj}_trellis"
+    if key not in z.files:
+        return None
+    tr, suh, svh = z[key], z[f"{proj}_suh"], z[f"{proj}_svh"]
+    return [Exl3Tensor(tr[e], suh[e], svh[e], codebook=codebook) for e in range(tr.shape[0])]
+
+
+def load_layer(path: str) -> SimpleNamespace:
+    """One golden layer: experts as Exl3Tensor lists plus every call's inputs and reference outputs.
+
+    For c_gelu (activation 1) `ref_out` is the erf GELU; the tanh form (what "gelu" means) is
+    `ref_out_gelu_tanh`. Each call dict: suffix, x, selected, weights, ref_out, ref_out_gelu_tanh (or None),
+    exl3_out (or None).
+    """
+    z = np.load(path)
+    codebook = str(z["codebook"])
+    calls = []
+    suffixes = [""] + [str(s) for s in z["extra_calls"]]
+    for sfx in suffixes:
+        def opt(name):
+            return z[name + sfx] if name + sfx in z.files else None
+
+        calls.append({
+            "suffix": sfx,
+            "x": z["x" + sfx],
+            "selected": z["selected" + sfx],
+            "weights": z["weights" + sfx],
+            "ref_out": z["ref_out" + sfx],
+            "ref_out_gelu_tanh": opt("ref_out_gelu_tanh"),
+            "exl3_out": opt("exl3_out"),
+        })
+    return SimpleNamespace(
+        name=os.path.splitext(os.path.basename(path))[0],
+        path=path,
+        gate=_experts(z, "gate", codebook),
+        up=_experts(z, "up", codebook),
+        down=_experts(z, "down", codebook),
+        activation=ACTIVATION_NAMES[int(z["activation"])],
+        act_limit=float(z["act_limit"]),
+        codebook=codebook,
+        hidden_size=int(z["hidden_size"]),
+        intermediate_size=int(z["intermediate_size"]),
+        num_experts=int(z["num_experts"]),
+        top_k=int(z["top_k"]),
+        calls=calls,
+        npz=z,
+    )
+
+
+def rel_rms(a, b) -> float:
+    """rms(a - b) / rms(b), in float64."""
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    return float(np.sqrt(np.mean((a - b) ** 2)) / np.sqrt(np.mean(b ** 2)))
+
+
+def reference_targets(layer: SimpleNamespace, call: dict):
+    """[(activation name to run, expected output)] for a call: 'gelu' -> tanh ref, 'gelu_erf' -> erf ref."""
+    if layer.activation == "gelu" and call["ref_out_gelu_tanh"] is not None:
+        return [("gelu", call["ref_out_gelu_tanh"]), ("gelu_erf", call["ref_out"])]
+    return [(layer.activation, call["ref_out"])]
