@@ -84,7 +84,7 @@ setup(
     name="vkmoe",
     version="0.1.0",
     description="The fused EXL3 Mixture-of-Experts MLP on any Vulkan device",
-    packages=["vkmoe", "vkmoe.vk", "vkmoe.exl3", "vkmoe.sched", "vkmoe.ops"],
+    packages=["vkmoe", "vkmoe.vk", "vkmoe.exl3", "vkmoe.sched", "vkmoe.ops", "vkmoe.models"],
     package_data={"vkmoe": ["_spv/*.spv"]},
     python_requires=">=3.9",
     install_requires=["vulkan==1.3.275.1", "cffi>=1.15", "numpy>=1.24", "safetensors>=0.4"],

@@ -37,9 +37,13 @@ layout(push_constant) uniform Push {
 #define W_OPENER_SPENT 8u
 #define W_OPENER_HIT 9u     // 1 when the opener closed early because everyone had joined
 #define W_PAD_CHECK 10u
+#define W_JOINER_SPENT 11u  // the most iterations a joiner used (how close to its bound it came)
 
 #define SYNC_BUF state.words
 #define SYNC_ABORT (pc.slot * 16u + W_ABORT)
+// Long iterations: the poll must stay open for milliseconds (a CPU driver's worker thread may need an OS time
+// slice to start) within lavapipe 22.3's per-invocation loop budget.
+#define SYNC_POLLS 64
 #include "sync.glsl"
 
 void main() {
@@ -80,6 +84,7 @@ void main() {
                 sync_add_relaxed(base + W_TIMEOUTS, 1u);
                 sync_set_abort(SYNC_ABORT_SPIN);
             }
+            atomicMax(state.words[base + W_JOINER_SPENT], spent, SYNC_SCOPE, SYNC_STORAGE, gl_SemanticsRelaxed);
         } else if (role == 3u) {
             sync_add_relaxed(base + W_TIMEOUTS, 1u);
         }

@@ -4,6 +4,12 @@
 #pragma use_vulkan_memory_model
 #extension GL_KHR_memory_scope_semantics : require
 #extension GL_EXT_control_flow_attributes : require
+#extension GL_KHR_shader_subgroup_ballot : require
+
+// A value the whole workgroup holds (read from a buffer or shared memory) made visibly uniform to the compiler.
+// Loops and branches that contain barriers must depend only on such values: Mesa 22.3's lavapipe miscompiles
+// barriers under control flow it thinks divergent (it dropped the rest of the shader, or zeroed results).
+uint wg_uniform(uint v) { return subgroupBroadcastFirst(v); }
 
 // fp16 arrays live in buffers as packed uint words (two values per word, low half first): portable without
 // 16-bit storage and one load per pair.

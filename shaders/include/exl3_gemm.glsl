@@ -27,7 +27,7 @@ void gemm_clear() {
 
 // Accumulate gemm_acc[r * 2 + c] for rows r < nr, this invocation's two columns c, over its k-tiles.
 // a_base/a_stride are in uint words (a row of k fp16 values is k/2 words); b_base in uint words.
-void gemm_accumulate(const int a_src, const int b_src, const int K, const int cb,
+void gemm_accumulate(const int a_src, int b_src, int K, const int cb,
                      uint a_base, uint a_stride, uint nr,
                      uint b_base, uint tiles_n, uint band, uint kt0, uint kt1) {
     uint tid = gl_LocalInvocationID.x;

@@ -17,7 +17,11 @@ shared float had_buf[HAD_ROWS * 128];
 void had_fwht(uint nrows) {
     uint pairs = nrows * 64u;
     for (uint w = 1u; w < 128u; w <<= 1) {
-        for (uint p = gl_LocalInvocationID.x; p < pairs; p += WG_SIZE) {
+        // Same trip count in every invocation (a guard, not a shorter loop): Mesa 22.3's lavapipe drops the
+        // rest of the shader when a loop inside a loop with barriers runs a different number of times per lane.
+        for (uint p0 = 0u; p0 < pairs; p0 += WG_SIZE) {
+            uint p = p0 + gl_LocalInvocationID.x;
+            if (p >= pairs) continue;
             uint row = p >> 6, pi = p & 63u;
             uint i = row * 128u + (pi / w) * (2u * w) + (pi % w);
             float a = had_buf[i], b = had_buf[i + w];

@@ -12,7 +12,7 @@
 //   #extension GL_KHR_memory_scope_semantics : require
 //   #define SYNC_BUF    <uint[] lvalue in a storage buffer>   e.g. locks.words   (declare that buffer `nonprivate`)
 //   #define SYNC_ABORT  <index of the abort word in SYNC_BUF> (0 = running; else the first reason set)
-// Optional: SYNC_POLLS (polls per loop iteration, default 8).
+// Optional: SYNC_POLLS (polls per loop iteration: 8, 16, 32 or 64; default 8).
 //
 // Memory model: acquire/release at QueueFamily scope (covers every workgroup of the dispatch and needs no
 // vulkanMemoryModelDeviceScope). Release carries MakeAvailable and acquire MakeVisible so that plain (nonprivate)
@@ -54,11 +54,15 @@ void sync_store(uint i, uint v) { atomicStore(SYNC_BUF[i], v, SYNC_SCOPE, SYNC_S
 void sync_store_relaxed(uint i, uint v) { atomicStore(SYNC_BUF[i], v, SYNC_SCOPE, SYNC_STORAGE, gl_SemanticsRelaxed); }
 uint sync_add(uint i, uint v) { return atomicAdd(SYNC_BUF[i], v, SYNC_SCOPE, SYNC_STORAGE, SYNC_ACQREL); }
 uint sync_add_relaxed(uint i, uint v) { return atomicAdd(SYNC_BUF[i], v, SYNC_SCOPE, SYNC_STORAGE, gl_SemanticsRelaxed); }
+// The read used inside spin loops. Not atomicLoad: lavapipe 22.3 turns a relaxed atomicLoad into a plain load
+// that LLVM hoists out of the loop, so the spin never sees the new value (it then times out, never returns a
+// wrong "true", but the probe would measure nothing). A read-modify-write cannot be hoisted on any driver.
+uint sync_poll(uint i) { return atomicAdd(SYNC_BUF[i], 0u, SYNC_SCOPE, SYNC_STORAGE, gl_SemanticsRelaxed); }
 
 // Ticket counter: the next value of SYNC_BUF[i] (0, 1, 2, ...), each handed out once.
 uint sync_ticket(uint i) { return sync_add(i, 1u); }
 
-bool sync_aborted() { return sync_load_relaxed(SYNC_ABORT) != 0u; }
+bool sync_aborted() { return sync_poll(SYNC_ABORT) != 0u; }
 // Keeps the first reason: later failures are usually consequences of the first.
 void sync_set_abort(uint reason) {
     atomicCompSwap(SYNC_BUF[SYNC_ABORT], 0u, reason, SYNC_SCOPE, SYNC_STORAGE, SYNC_REL, SYNC_STORAGE,
@@ -68,7 +72,10 @@ void sync_set_abort(uint reason) {
 // Wrap-safe "a >= b" for counters that may wrap around 2^32 (generations, tickets).
 bool sync_ge(uint a, uint b) { return int(a - b) >= 0; }
 
-#define SYNC_POLL_ONCE_(i, target) if (!hit) { hit = sync_ge(sync_load_relaxed(i), target); }
+#define SYNC_POLL_ONCE_(i, target) if (!hit) { hit = sync_ge(sync_poll(i), target); }
+#define SYNC_POLL_8_(i, target) SYNC_POLL_ONCE_(i, target) SYNC_POLL_ONCE_(i, target) SYNC_POLL_ONCE_(i, target) \
+    SYNC_POLL_ONCE_(i, target) SYNC_POLL_ONCE_(i, target) SYNC_POLL_ONCE_(i, target) SYNC_POLL_ONCE_(i, target) \
+    SYNC_POLL_ONCE_(i, target)
 
 // Spin (one invocation) until SYNC_BUF[i] >= target (wrap-safe). At most `max_iters` loop iterations, and never
 // past `budget` iterations in total for this invocation (`spent` is updated). Returns true when the value was
@@ -80,13 +87,15 @@ bool spin_until_ge(uint i, uint target, uint max_iters, uint budget, inout uint 
     uint limit = min(max_iters, budget > spent ? budget - spent : 0u);
     while (!hit && n < limit) {
         n += 1u;
-        SYNC_POLL_ONCE_(i, target) SYNC_POLL_ONCE_(i, target) SYNC_POLL_ONCE_(i, target) SYNC_POLL_ONCE_(i, target)
-#if SYNC_POLLS > 4
-        SYNC_POLL_ONCE_(i, target) SYNC_POLL_ONCE_(i, target) SYNC_POLL_ONCE_(i, target) SYNC_POLL_ONCE_(i, target)
-#endif
+        SYNC_POLL_8_(i, target)
 #if SYNC_POLLS > 8
-        SYNC_POLL_ONCE_(i, target) SYNC_POLL_ONCE_(i, target) SYNC_POLL_ONCE_(i, target) SYNC_POLL_ONCE_(i, target)
-        SYNC_POLL_ONCE_(i, target) SYNC_POLL_ONCE_(i, target) SYNC_POLL_ONCE_(i, target) SYNC_POLL_ONCE_(i, target)
+        SYNC_POLL_8_(i, target)
+#endif
+#if SYNC_POLLS > 16
+        SYNC_POLL_8_(i, target) SYNC_POLL_8_(i, target)
+#endif
+#if SYNC_POLLS > 32
+        SYNC_POLL_8_(i, target) SYNC_POLL_8_(i, target) SYNC_POLL_8_(i, target) SYNC_POLL_8_(i, target)
 #endif
         if (!hit && sync_aborted()) break;
     }

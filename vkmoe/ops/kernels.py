@@ -24,7 +24,7 @@ def uses_idot(device):
     return bool(device.features.get("shaderIntegerDotProduct"))
 
 
-def pipeline(device, shader, push, spec=None, decode=False):
+def pipeline(device, shader, push, spec=None, decode=False, binding_count=None):
     """The cached pipeline `shader` with specialization `spec`; `decode` shaders get the idot build when the
     device supports it. Pipelines live until the device closes."""
     name = shader + ("_idot" if decode and uses_idot(device) else "")
@@ -33,5 +33,6 @@ def pipeline(device, shader, push, spec=None, decode=False):
         cache = device.__dict__.setdefault("_vkmoe_pipelines", {})
         pipe = cache.get(key)
         if pipe is None or pipe.handle is None:
-            pipe = cache[key] = Pipeline(device, name, push=push, spec=spec)
+            pipe = cache[key] = Pipeline(device, name, push=push, spec=spec, binding_count=binding_count,
+                                         allow_unused_spec=binding_count is not None)
         return pipe

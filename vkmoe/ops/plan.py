@@ -32,3 +32,43 @@ def gemm_plan(device, m, k, n, target_workgroups=None):
         kt_per_split = min(kt_per_split, 4 * CAPPED_K_ITERATIONS)
     splits = -(-tiles_k // kt_per_split)
     return GemmPlan(rows, row_chunks, splits, kt_per_split)
+
+
+@dataclass(frozen=True)
+class MoePlan:
+    m: int
+    top_k: int
+    rows: int          # GEMM_ROWS: rows per expert chunk
+    max_chunks: int    # bound on chunks, fixes the grid with no host round trip
+    splits_gu: int
+    kt_gu: int
+    splits_d: int
+    kt_d: int
+
+    @property
+    def R(self):
+        return self.m * self.top_k
+
+    def as_dict(self):
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def _splits(device, tiles_k, work, target):
+    splits = max(1, min(max(1, tiles_k // 4), -(-target // max(1, work))))
+    kt = -(-tiles_k // splits)
+    if device.quirks.get("loop_iteration_cap"):
+        kt = min(kt, 4 * CAPPED_K_ITERATIONS)
+    return -(-tiles_k // kt), kt
+
+
+def moe_plan(device, m, top_k, E, H, I, gated, target_workgroups=None):
+    R = m * top_k
+    active = min(E, R)
+    rows = rows_for(-(-R // max(1, active)))
+    max_chunks = active + -(-R // rows)
+    expected_chunks = max(active, -(-R // rows))
+    if target_workgroups is None:
+        target_workgroups = 4 * (device.compute_units or 16)
+    splits_gu, kt_gu = _splits(device, H // 16, expected_chunks * (I // 128) * (2 if gated else 1), target_workgroups)
+    splits_d, kt_d = _splits(device, I // 16, expected_chunks * (H // 128), target_workgroups)
+    return MoePlan(m, top_k, rows, max_chunks, splits_gu, kt_gu, splits_d, kt_d)

@@ -72,7 +72,8 @@ _SPEC_PACK = {"bool": "<I", "int32": "<i", "uint32": "<I", "float32": "<f"}
 class Pipeline:
     """One compute pipeline: shader module, descriptor set layout (storage buffers 0..n-1), layout, pipeline."""
 
-    def __init__(self, device, shader, push=None, spec=None, required_subgroup_size=None):
+    def __init__(self, device, shader, push=None, spec=None, required_subgroup_size=None, binding_count=None,
+                 allow_unused_spec=False):
         self.device = device
         self.name = shader
         code = load_spirv(shader)
@@ -83,10 +84,18 @@ class Pipeline:
         if declared != given:
             raise VkmoeError(f"{shader}: the shader declares a {declared}-byte push-constant block but "
                              f"{push.__name__ if push else 'no push type'} is {given} bytes")
-        if self.interface.bindings != list(range(len(self.interface.bindings))):
-            raise VkmoeError(f"{shader}: storage-buffer bindings must be 0..n-1, got {self.interface.bindings}")
-        self.binding_count = len(self.interface.bindings)
+        # A family of shaders sharing one descriptor layout passes binding_count: the compiler drops the
+        # bindings a member never touches, so the reflected set may have gaps.
+        declared_bindings = self.interface.bindings
+        if binding_count is None:
+            if declared_bindings != list(range(len(declared_bindings))):
+                raise VkmoeError(f"{shader}: storage-buffer bindings must be 0..n-1, got {declared_bindings}")
+            binding_count = len(declared_bindings)
+        elif declared_bindings and max(declared_bindings) >= binding_count:
+            raise VkmoeError(f"{shader} uses binding {max(declared_bindings)}, beyond binding_count={binding_count}")
+        self.binding_count = binding_count
         self.spec = dict(spec or {})
+        self._allow_unused_spec = allow_unused_spec
         h = device.handle
         self._module = call("vkCreateShaderModule", vk.vkCreateShaderModule, h, vk.VkShaderModuleCreateInfo(
             sType=vk.VK_STRUCTURE_TYPE_SHADER_MODULE_CREATE_INFO, codeSize=len(code), pCode=code), None)
@@ -110,6 +119,8 @@ class Pipeline:
         entries, data = [], b""
         for spec_id, value in sorted(self.spec.items()):
             if spec_id not in declared:
+                if self._allow_unused_spec:
+                    continue  # a family of shaders shares one spec map; the compiler drops what one never uses
                 raise VkmoeError(f"{self.name}: specialization constant id {spec_id} is not declared by the shader "
                                  f"(declared: {sorted(declared)})")
             kind = declared[spec_id]

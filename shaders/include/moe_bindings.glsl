@@ -1,0 +1,72 @@
+// Bindings, specialization constants and push constants shared by every MoE shader (split stages and the
+// persistent kernel), so one descriptor set serves them all.
+#ifndef MOE_BINDINGS_GLSL
+#define MOE_BINDINGS_GLSL
+
+layout(constant_id = 0) const int K_GATE = 4;
+layout(constant_id = 1) const int K_UP = 4;
+layout(constant_id = 2) const int K_DOWN = 4;
+layout(constant_id = 3) const int CB = 2;          // codebook of all three projections (CB_* in exl3_decode)
+layout(constant_id = 4) const int GEMM_ROWS = 4;   // rows per GEMM pass = rows per expert chunk
+layout(constant_id = 5) const int ACT = 0;         // ACT_* below
+layout(constant_id = 7) const uint SPIN_LIMIT = 65536u;  // persistent kernel: iterations of one barrier spin
+layout(constant_id = 8) const uint LOOP_BUDGET = 0xFFFFFFFFu;  // persistent: total spin iterations allowed
+
+#define ACT_SILU 0
+#define ACT_GELU 1
+#define ACT_RELU2 2
+#define ACT_SWIGLU_OAI 3
+#define ACT_GELU_ERF 4
+#define GATED (ACT != ACT_RELU2)
+
+// fp16 data are uint words holding two values. Buffers written and read by different workgroups of one
+// dispatch (persistent mode) are nonprivate so that release/acquire makes them visible.
+layout(std430, binding = 0) readonly buffer Hidden { uint hidden[]; };        // (m, H) fp16
+layout(std430, binding = 1) readonly buffer Ids { int expert_ids[]; };        // (m, top_k)
+layout(std430, binding = 2) readonly buffer Wts { float expert_weights[]; };  // (m, top_k), rounded to fp16 here
+layout(std430, binding = 3) nonprivate buffer Out { float out_h[]; };         // (m, H) fp32
+layout(std430, binding = 4) readonly buffer GT { uint gate_trellis[]; };      // experts back to back
+layout(std430, binding = 5) readonly buffer GS { uint gate_suh[]; };          // (E, H) fp16
+layout(std430, binding = 6) readonly buffer GV { uint gate_svh[]; };          // (E, I) fp16
+layout(std430, binding = 7) readonly buffer UT { uint up_trellis[]; };
+layout(std430, binding = 8) readonly buffer US { uint up_suh[]; };
+layout(std430, binding = 9) readonly buffer UV { uint up_svh[]; };
+layout(std430, binding = 10) readonly buffer DT { uint down_trellis[]; };
+layout(std430, binding = 11) readonly buffer DS { uint down_suh[]; };         // (E, I) fp16
+layout(std430, binding = 12) readonly buffer DV { uint down_svh[]; };         // (E, H) fp16
+// Routing results: [0] rows routed (R'), [1] chunks; then chunk table (expert, first row, rows) x max_chunks;
+// then per sorted row its flat index t * top_k + slot, its expert; then per token its number of valid slots.
+layout(std430, binding = 13) nonprivate buffer Route { uint route[]; };
+layout(std430, binding = 14) buffer States { uint states[]; };    // [2][R][H] fp16: gate, up inputs
+layout(std430, binding = 15) nonprivate buffer Inter { uint inter[]; };      // [R][I] fp16: down input
+layout(std430, binding = 16) nonprivate buffer Partial { float partial[]; }; // GEMM k-split partials, fp32
+layout(std430, binding = 17) nonprivate buffer Rows { float rows_out[]; };   // [R][H] fp32 per (token, slot)
+layout(std430, binding = 18) nonprivate buffer Sync { uint sync_words[]; };  // counters, tickets, barrier, abort
+
+layout(push_constant) uniform MoePush {
+    uint m, top_k, E, H, I;
+    uint max_chunks;     // bound on the chunk table (fixes the grid without a host round trip)
+    uint splits_gu, kt_gu;   // gate/up GEMM: k-splits over H and k-tiles per split
+    uint splits_d, kt_d;     // down GEMM: k-splits over I
+    float act_limit;
+    uint num_workgroups;     // persistent kernel: workgroups launched
+} pc;
+
+// Layout of the sync buffer (words). Counters reset themselves; the host zero-fills once at creation and
+// again only after an aborted persistent launch.
+#define SYNC_ABORT 0u
+#define SYNC_BARRIER 2u        // [2] arrivals, [3] generation
+#define SYNC_TICKETS 4u        // [4 + phase] ticket counters of phases 1..3
+#define SYNC_RETIRED 8u        // workgroups done (the last one resets the tickets)
+#define SYNC_COUNTERS 16u      // arrival counters: gate/up bands, down bands, token bands
+uint counters_gu() { return SYNC_COUNTERS; }                                   // max_chunks * I/128
+uint counters_d() { return SYNC_COUNTERS + pc.max_chunks * (pc.I / 128u); }   // max_chunks * H/128
+uint counters_tok() { return counters_d() + pc.max_chunks * (pc.H / 128u); }  // m * H/128
+
+uint R() { return pc.m * pc.top_k; }
+uint route_chunk(uint c) { return 16u + 3u * c; }
+uint route_row_flat(uint p) { return 16u + 3u * pc.max_chunks + p; }
+uint route_row_expert(uint p) { return 16u + 3u * pc.max_chunks + R() + p; }
+uint route_valid(uint t) { return 16u + 3u * pc.max_chunks + 2u * R() + t; }
+
+#endif

@@ -1,0 +1,354 @@
+// The stage bodies of the fused EXL3 MoE MLP (spec section 8.6), written once and used by both the split
+// dispatches (moe_route / moe_stage1 / moe_gate_up / moe_down .comp) and the persistent kernel.
+//
+// Work is cut into items that need no data from other workgroups except through the GEMM's last-arrival
+// counters (which never wait), so stages 3 and 5 run in whichever workgroup completes a 128-column band:
+//   route      counting sort of (token, slot) pairs by expert into chunks of <= GEMM_ROWS rows
+//   stage 1    gather + input Hadamard (gate.suh, up.suh): one item = 2 (row, 128-block) pairs
+//   stage 2+3  gate/up GEMM item = (chunk, band of I, projection, k-split); the last arrival of a (chunk, band)
+//              applies the output Hadamards, the activation and the down projection's input Hadamard
+//   stage 4+5  down GEMM item = (chunk, band of H, k-split); the last arrival applies the output Hadamard,
+//              routing weight and svh into its (token, slot) row; the last slot of a token to arrive sums the
+//              token's rows in slot order (deterministic)
+// Only route -> 1 -> 2+3 -> 4+5 need a device-wide barrier (pipeline barrier or spin barrier).
+//
+// Includer: defines WG_SIZE 256u, HAD_ROWS 4u and includes common.glsl and moe_bindings.glsl first.
+
+#ifndef MOE_STAGES_GLSL
+#define MOE_STAGES_GLSL
+
+uint gemm_a_word(const int src, uint index) { return src == 0 ? states[index] : inter[index]; }
+uint gemm_b_word(int src, uint index) {
+    return src == 0 ? gate_trellis[index] : src == 1 ? up_trellis[index] : down_trellis[index];
+}
+#include "exl3_decode.glsl"
+#include "hadamard128.glsl"
+#include "exl3_gemm.glsl"
+
+bool valid_expert(int e) { return e >= 0 && uint(e) < pc.E; }
+
+// Mesa 22.3's lavapipe silently drops the rest of a shader after some loops whose trip count differs between
+// the invocations of a workgroup (seen in routing: a nested loop in a one-invocation branch, and strided loops
+// over a count read from shared memory). Routing therefore uses loops with the same trip count in every
+// invocation and guards the body; loops over a token's slots are unrolled to MAX_TOP_K.
+#define MAX_TOP_K 32
+
+uint valid_slots(uint t) {
+    uint n = 0u;
+    [[unroll]] for (int s = 0; s < MAX_TOP_K; ++s)
+        if (uint(s) < pc.top_k && valid_expert(expert_ids[t * pc.top_k + uint(s)])) n += 1u;
+    return n;
+}
+
+// ------------------------------------------------------------------------------------------------ routing
+#ifdef MOE_ROUTE  // only the shaders that route pay for its shared counters
+// Fixed sizes, not specialization constants: Mesa 22.3's lavapipe lays out shared arrays sized by
+// specialization constants inconsistently (they overlapped). The includer may lower ROUTE_MAX_E.
+#ifndef ROUTE_MAX_E
+#define ROUTE_MAX_E 1024
+#endif
+shared uint s_count[ROUTE_MAX_E];
+shared uint s_offset[ROUTE_MAX_E + 1];
+shared uint s_chunk0[ROUTE_MAX_E + 1];
+
+// One workgroup. Writes the chunk table, the sorted rows and each token's valid slot count, and zeroes the
+// output of tokens with no valid slot (nobody else writes those rows).
+void moe_route() {
+    uint tid = gl_LocalInvocationID.x;
+    for (uint e0 = 0u; e0 < pc.E; e0 += WG_SIZE) { uint e = e0 + tid; if (e < pc.E) s_count[e] = 0u; }
+    barrier();
+    for (uint f0 = 0u; f0 < R(); f0 += WG_SIZE) { uint f = f0 + tid; if (f >= R()) continue;
+        int e = expert_ids[f];
+        if (valid_expert(e)) atomicAdd(s_count[e], 1u, gl_ScopeWorkgroup, gl_StorageSemanticsShared, gl_SemanticsRelaxed);
+    }
+    barrier();
+    // Prefix sums over experts, computed redundantly by every invocation (E is small) and stored by the owner
+    // of each entry. Not in a one-invocation branch: Mesa 22.3's lavapipe drops the rest of the shader after a
+    // loop inside `if (tid == 0)` that is followed by a barrier.
+    uint offset = 0u, chunk = 0u;
+    for (uint e = 0u; e < pc.E; ++e) {
+        uint n = s_count[e];
+        if (e % WG_SIZE == tid) {
+            s_offset[e] = offset;
+            s_chunk0[e] = chunk;
+        }
+        chunk += (n + uint(GEMM_ROWS) - 1u) / uint(GEMM_ROWS);
+        offset += n;
+    }
+    if (tid == 0u) {
+        s_offset[pc.E] = offset;
+        s_chunk0[pc.E] = chunk;
+        route[0] = offset;
+        route[1] = chunk;
+    }
+    barrier();
+    for (uint e0 = 0u; e0 < pc.E; e0 += WG_SIZE) { uint e = e0 + tid; if (e < pc.E) s_count[e] = 0u; }  // reused as the scatter cursor
+    barrier();
+    // Chunk table in parallel: chunk c belongs to the last expert whose first chunk is <= c (binary search).
+    for (uint c0 = 0u; c0 < s_chunk0[pc.E]; c0 += WG_SIZE) { uint c = c0 + tid; if (c >= s_chunk0[pc.E]) continue;
+        uint lo = 0u, hi = pc.E;  // invariant: s_chunk0[lo] <= c < s_chunk0[hi]
+        [[unroll]] for (int step = 0; step < 11; ++step) {  // 2^11 > ROUTE_MAX_E + 1
+            uint mid = (lo + hi) >> 1;
+            if (hi - lo > 1u) { if (s_chunk0[mid] <= c) lo = mid; else hi = mid; }
+        }
+        uint first = (c - s_chunk0[lo]) * uint(GEMM_ROWS);
+        route[route_chunk(c)] = lo;
+        route[route_chunk(c) + 1u] = s_offset[lo] + first;
+        route[route_chunk(c) + 2u] = min(uint(GEMM_ROWS), s_offset[lo + 1u] - s_offset[lo] - first);
+    }
+    for (uint f0 = 0u; f0 < R(); f0 += WG_SIZE) { uint f = f0 + tid; if (f >= R()) continue;
+        int e = expert_ids[f];
+        if (valid_expert(e)) {
+            uint p = s_offset[e] + atomicAdd(s_count[e], 1u, gl_ScopeWorkgroup, gl_StorageSemanticsShared, gl_SemanticsRelaxed);
+            route[route_row_flat(p)] = f;
+            route[route_row_expert(p)] = uint(e);
+        }
+    }
+    for (uint t0 = 0u; t0 < pc.m; t0 += WG_SIZE) { uint t = t0 + tid; if (t < pc.m) route[route_valid(t)] = valid_slots(t); }
+    // Tokens without a valid slot: their output is zero.
+    for (uint i0 = 0u; i0 < pc.m * pc.H; i0 += WG_SIZE) { uint i = i0 + tid; if (i < pc.m * pc.H) if (valid_slots(i / pc.H) == 0u) out_h[i] = 0.0; }
+}
+#endif
+
+// ----------------------------------------------------------------------------- stage 1: gather + had_in
+uint stage1_items() { return (wg_uniform(route[0]) * (pc.H / 128u) + 1u) / 2u; }
+uint routed_chunks() { return wg_uniform(route[1]); }
+
+// Item u: (row, block) pairs 2u and 2u + 1; had rows: 2 * pair + (0 gate, 1 up).
+void moe_stage1(uint u) {
+    uint tid = gl_LocalInvocationID.x;
+    uint blocks = pc.H / 128u, rows = wg_uniform(route[0]);
+    for (uint i = tid; i < 4u * 128u; i += WG_SIZE) {
+        uint pair = 2u * u + (i >> 8), proj = (i >> 7) & 1u, col = i & 127u;
+        uint p = pair / blocks, h = (pair % blocks) * 128u + col;
+        float v = 0.0;
+        if (p < rows && (GATED || proj == 1u)) {
+            uint t = route[route_row_flat(p)] / pc.top_k, e = route[route_row_expert(p)];
+            uint xe = t * pc.H + h, se = e * pc.H + h;
+            float s = proj == 0u ? f16_at(gate_suh[se >> 1], se) : f16_at(up_suh[se >> 1], se);
+            v = rn16(f16_at(hidden[xe >> 1], xe) * s);
+        }
+        had_buf[i] = v;
+    }
+    barrier();
+    had_fwht(4u);
+    for (uint i = tid; i < 4u * 64u; i += WG_SIZE) {
+        uint pair = 2u * u + (i >> 7), proj = (i >> 6) & 1u, c2 = (i & 63u) * 2u;
+        uint p = pair / blocks, h = (pair % blocks) * 128u + c2;
+        if (p < rows && (GATED || proj == 1u)) {
+            uint b = (i >> 6) * 128u + c2;
+            states[((proj * R() + p) * pc.H + h) >> 1] = packHalf2x16(vec2(had_buf[b], had_buf[b + 1u]) * HAD_SCALE);
+        }
+    }
+    barrier();
+}
+
+// ------------------------------------------------------------------------------------------ activations
+// Spec 8.6, fp16 semantics: every step rounds to fp16 as the CUDA arm's half2 math does.
+float act_silu(float g) {
+    float e = rn16(exp(-g));
+    float s = rn16(1.0 + e);
+    return rn16(g * rn16(1.0 / s));
+}
+float act_gelu_tanh(float x) { return rn16(0.5 * x * (1.0 + tanh(0.797884560803 * (x + 0.044715 * x * x * x)))); }
+float erf_approx(float x) {  // Abramowitz-Stegun 7.1.26, |error| < 1.5e-7 (below fp16 resolution)
+    float t = 1.0 / (1.0 + 0.3275911 * abs(x));
+    float y = 1.0 - (((((1.061405429 * t - 1.453152027) * t) + 1.421413741) * t - 0.284496736) * t + 0.254829592) * t * exp(-x * x);
+    return x < 0.0 ? -y : y;
+}
+float act_gelu_erf(float x) { return rn16(0.5 * x * (1.0 + erf_approx(x * 0.70710678118654752))); }
+
+// p = RN16(act(g) * u) with act_limit semantics (ARCHITECTURE.md): g, u are fp16 values.
+float activate(float g, float u) {
+    float L = pc.act_limit;
+    if (ACT == ACT_SWIGLU_OAI) {
+        if (L != 0.0) { g = min(g, L); u = clamp(u, -L, L); }
+        return rn16((u + 1.0) * g * (1.0 / (1.0 + exp(-1.702 * g))));
+    }
+    float a;
+    if (ACT == ACT_SILU) a = act_silu(g);
+    else if (ACT == ACT_GELU) a = act_gelu_tanh(g);
+    else if (ACT == ACT_GELU_ERF) a = act_gelu_erf(g);
+    else a = max(u, 0.0);
+    if (L != 0.0) {
+        float L16 = rn16(L);
+        u = clamp(u, -L16, L16);
+        a = min(a, L16);
+    }
+    return rn16(a * u);
+}
+
+// ------------------------------------------------------------------- shared GEMM plumbing of stages 2 and 4
+shared bool s_last;
+shared bool s_token_done[4];
+
+// Write this workgroup's k-split partial of rows p0 .. p0+nr-1 for one band to partial[], then count the
+// arrival on counter `counter`; returns (in every invocation) whether this was the last of `arrivals`.
+bool gemm_finish_partial(uint partial_base, uint row_stride, uint p0, uint nr, uint band, uint counter,
+                         uint arrivals) {
+    uint tid = gl_LocalInvocationID.x;
+    for (uint r0 = 0u; r0 < nr; r0 += 4u) {
+        barrier();
+        gemm_stage_rows(r0);
+        barrier();
+        for (uint i = tid; i < 4u * 128u; i += WG_SIZE) {
+            uint rr = i >> 7, col = i & 127u;
+            if (r0 + rr < nr) partial[partial_base + (p0 + r0 + rr) * row_stride + band * 128u + col] = gemm_red_sum(rr, col);
+        }
+    }
+    WG_BARRIER_DEVICE();
+    if (tid == 0u) {
+        uint arrived = atomicAdd(sync_words[counter], 1u, gl_ScopeQueueFamily, gl_StorageSemanticsBuffer,
+                                 gl_SemanticsAcquireRelease | gl_SemanticsMakeAvailable | gl_SemanticsMakeVisible);
+        s_last = arrived == arrivals - 1u;
+        if (s_last) atomicStore(sync_words[counter], 0u, gl_ScopeQueueFamily, gl_StorageSemanticsBuffer, gl_SemanticsRelaxed);
+    }
+    WG_BARRIER_DEVICE();
+    return wg_uniform(uint(s_last)) != 0u;  // stages 3 and 5 (with barriers) run under this branch
+}
+
+// --------------------------------------------------------------------- stage 2 (+3): gate/up GEMM, activation
+uint gu_projections() { return GATED ? 2u : 1u; }
+uint gu_items_per_chunk() { return (pc.I / 128u) * gu_projections() * pc.splits_gu; }
+
+void moe_stage3(uint e, uint p0, uint nr, uint band);
+
+void moe_gate_up(uint item) {
+    uint s = item % pc.splits_gu;
+    uint rest = item / pc.splits_gu;
+    uint proj = GATED ? rest % 2u : 1u;
+    rest = GATED ? rest / 2u : rest;
+    uint band = rest % (pc.I / 128u), c = rest / (pc.I / 128u);
+    uint e = wg_uniform(route[route_chunk(c)]), p0 = wg_uniform(route[route_chunk(c) + 1u]);
+    uint nr = wg_uniform(route[route_chunk(c) + 2u]);
+    uint tiles_k = pc.H / 16u, tiles_n = pc.I / 16u;
+    uint kt0 = s * pc.kt_gu, kt1 = min(tiles_k, kt0 + pc.kt_gu);
+    uint a_base = (proj * R() + p0) * (pc.H / 2u);
+    gemm_clear();
+    // One call, not one per projection in an if/else: Mesa 22.3's lavapipe skips a loop inside a branch of a
+    // shader with barriers. K folds to a constant when gate and up share their bit width.
+    int k_bits = proj == 0u ? K_GATE : K_UP;
+    gemm_accumulate(0, int(proj), k_bits, CB, a_base, pc.H / 2u, nr, e * tiles_k * tiles_n * 8u * uint(k_bits), tiles_n, band, kt0, kt1);
+    uint base = (proj * pc.splits_gu + s) * R() * pc.I;
+    if (gemm_finish_partial(base, pc.I, p0, nr, band, counters_gu() + c * (pc.I / 128u) + band,
+                            gu_projections() * pc.splits_gu))
+        moe_stage3(e, p0, nr, band);
+}
+
+float gu_sum(uint proj, uint p, uint col) {
+    float v = 0.0;
+    for (uint s = 0u; s < pc.splits_gu; ++s) v += partial[((proj * pc.splits_gu + s) * R() + p) * pc.I + col];
+    return rn16(v);  // the fp16 GEMM output Ig / Iu
+}
+
+// Rows of one chunk, one 128-band of I: u = had_out(Iu, up.svh), g = had_out(Ig, gate.svh), p = act(g) * u,
+// inter = had_in(p, down.suh). Two rows per pass (had rows: 2 rr + 0 gate, 2 rr + 1 up).
+void moe_stage3(uint e, uint p0, uint nr, uint band) {
+    uint tid = gl_LocalInvocationID.x;
+    for (uint r0 = 0u; r0 < nr; r0 += 2u) {
+        for (uint i = tid; i < 4u * 128u; i += WG_SIZE) {
+            uint rr = i >> 8, proj = (i >> 7) & 1u, col = i & 127u;
+            // gu_sum runs in every lane (its loop must not diverge, see hadamard128.glsl); rows past the chunk
+            // read a valid row and are dropped.
+            float v = gu_sum(proj, min(p0 + r0 + rr, R() - 1u), band * 128u + col);
+            had_buf[i] = (r0 + rr < nr && (GATED || proj == 1u)) ? v : 0.0;
+        }
+        barrier();
+        had_fwht(4u);
+        float p = 0.0;
+        uint i = tid;  // WG_SIZE == 2 * 128: one element of the two rows per invocation
+        uint rr = i >> 7, col = i & 127u, n = band * 128u + col;
+        if (r0 + rr < nr) {
+            uint se = e * pc.I + n;
+            float u = rn16(rn16(had_buf[(2u * rr + 1u) * 128u + col] * HAD_SCALE) * f16_at(up_svh[se >> 1], se));
+            float g = GATED ? rn16(rn16(had_buf[(2u * rr) * 128u + col] * HAD_SCALE) * f16_at(gate_svh[se >> 1], se)) : 0.0;
+            p = rn16(activate(g, u) * f16_at(down_suh[se >> 1], se));
+        }
+        barrier();
+        had_buf[i] = p;
+        barrier();
+        had_fwht(2u);
+        if (i < 128u) {
+            uint rr2 = i >> 6, c2 = (i & 63u) * 2u;
+            if (r0 + rr2 < nr) {
+                uint b = rr2 * 128u + c2;
+                inter[((p0 + r0 + rr2) * pc.I + band * 128u + c2) >> 1] =
+                    packHalf2x16(vec2(had_buf[b], had_buf[b + 1u]) * HAD_SCALE);
+            }
+        }
+        barrier();
+    }
+}
+
+// ------------------------------------------------------------------ stage 4 (+5): down GEMM, weighted output
+uint down_items_per_chunk() { return (pc.H / 128u) * pc.splits_d; }
+
+void moe_stage5(uint e, uint p0, uint nr, uint band);
+
+void moe_down(uint item) {
+    uint s = item % pc.splits_d;
+    uint rest = item / pc.splits_d;
+    uint band = rest % (pc.H / 128u), c = rest / (pc.H / 128u);
+    uint e = wg_uniform(route[route_chunk(c)]), p0 = wg_uniform(route[route_chunk(c) + 1u]);
+    uint nr = wg_uniform(route[route_chunk(c) + 2u]);
+    uint tiles_k = pc.I / 16u, tiles_n = pc.H / 16u;
+    uint kt0 = s * pc.kt_d, kt1 = min(tiles_k, kt0 + pc.kt_d);
+    gemm_clear();
+    gemm_accumulate(1, 2, K_DOWN, CB, p0 * (pc.I / 2u), pc.I / 2u, nr, e * tiles_k * tiles_n * 8u * uint(K_DOWN), tiles_n, band, kt0, kt1);
+    if (gemm_finish_partial(s * R() * pc.H, pc.H, p0, nr, band, counters_d() + c * (pc.H / 128u) + band, pc.splits_d))
+        moe_stage5(e, p0, nr, band);
+}
+
+void moe_stage5(uint e, uint p0, uint nr, uint band) {
+    uint tid = gl_LocalInvocationID.x;
+    for (uint r0 = 0u; r0 < nr; r0 += 4u) {
+        for (uint i = tid; i < 4u * 128u; i += WG_SIZE) {
+            uint rr = i >> 7, col = band * 128u + (i & 127u);
+            float v = 0.0;
+            uint p = min(p0 + r0 + rr, R() - 1u);  // every lane loops the same (see gu_sum's caller)
+            for (uint s = 0u; s < pc.splits_d; ++s) v += partial[(s * R() + p) * pc.H + col];
+            had_buf[i] = r0 + rr < nr ? rn16(v) : 0.0;  // the fp16 down GEMM output
+        }
+        barrier();
+        had_fwht(4u);
+        for (uint i = tid; i < 4u * 128u; i += WG_SIZE) {
+            uint rr = i >> 7, col = band * 128u + (i & 127u);
+            if (r0 + rr < nr) {
+                uint fidx = route[route_row_flat(p0 + r0 + rr)];
+                float w = rn16(expert_weights[fidx]);
+                uint se = e * pc.H + col;
+                rows_out[fidx * pc.H + col] = (had_buf[i] * (HAD_SCALE * w)) * f16_at(down_svh[se >> 1], se);
+            }
+        }
+        WG_BARRIER_DEVICE();
+        if (tid == 0u) {
+            [[unroll]] for (uint rr = 0u; rr < 4u; ++rr) {
+                bool done = false;
+                if (r0 + rr < nr) {
+                    uint t = route[route_row_flat(p0 + r0 + rr)] / pc.top_k;
+                    uint counter = counters_tok() + t * (pc.H / 128u) + band;
+                    uint arrived = atomicAdd(sync_words[counter], 1u, gl_ScopeQueueFamily, gl_StorageSemanticsBuffer,
+                                             gl_SemanticsAcquireRelease | gl_SemanticsMakeAvailable | gl_SemanticsMakeVisible);
+                    done = arrived + 1u == route[route_valid(t)];
+                    if (done) atomicStore(sync_words[counter], 0u, gl_ScopeQueueFamily, gl_StorageSemanticsBuffer, gl_SemanticsRelaxed);
+                }
+                s_token_done[rr] = done;
+            }
+        }
+        WG_BARRIER_DEVICE();
+        for (uint i = tid; i < 4u * 128u; i += WG_SIZE) {
+            uint rr = i >> 7, col = band * 128u + (i & 127u);
+            if (s_token_done[rr]) {
+                uint t = route[route_row_flat(p0 + r0 + rr)] / pc.top_k;
+                float v = 0.0;  // slot order: the same bits whichever expert finished last
+                [[unroll]] for (int s = 0; s < MAX_TOP_K; ++s)
+                    if (uint(s) < pc.top_k && valid_expert(expert_ids[t * pc.top_k + uint(s)]))
+                        v += rows_out[(t * pc.top_k + uint(s)) * pc.H + col];
+                out_h[t * pc.H + col] = v;
+            }
+        }
+        barrier();
+    }
+}
+
+#endif

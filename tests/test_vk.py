@@ -1,0 +1,220 @@
+"""The vk layer on whichever Vulkan device the environment selects (CI: lavapipe, Mesa 22.3 and 25).
+With VKMOE_VALIDATION=1 every test also requires zero validation messages."""
+import gc
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import vkmoe
+from vkmoe.vk import CommandRecorder, Pipeline, PushConstants
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class SaxpyPush(PushConstants):
+    fields = [("a", "<f4"), ("n", "<u4")]
+
+
+class SpinPush(PushConstants):
+    fields = [("iterations", "<u4")]
+
+
+@pytest.fixture(scope="module")
+def dev():
+    d = vkmoe.Device()
+    d.take_validation_messages()
+    yield d
+    d.close()
+
+
+@pytest.fixture(autouse=True)
+def no_validation_messages(dev):
+    dev.take_validation_messages()
+    yield
+    assert dev.take_validation_messages() == []
+
+
+def _mesa_major(dev):
+    return int(dev.mesa_version.split(".")[0]) if dev.mesa_version else None
+
+
+def test_device_info_keys(dev):
+    info = dev.info()
+    for key in ("name", "driver", "compute_units", "compute_units_source", "quirks", "limits", "api"):
+        assert key in info, key
+    assert info["name"] == dev.name and info["driver"]
+    assert info["limits"]["max_shared_memory"] >= 16384
+    assert "loop_iteration_cap" in info["quirks"]
+    if dev.is_lavapipe:
+        assert info["mesa_version"]
+        assert info["compute_units"] >= 1 and "lavapipe" in info["compute_units_source"]
+    if info["compute_units"] is not None:
+        assert info["compute_units_source"]
+
+
+def test_64mib_round_trip(dev):
+    n = (64 << 20) // 4
+    data = np.random.default_rng(1).integers(0, 2**32, n, dtype=np.uint32)
+    with dev.memory.allocate(data.nbytes) as buf:
+        buf.upload(data)
+        back = buf.download(np.uint32)
+    assert back.shape == data.shape and np.array_equal(back, data)
+
+
+def test_saxpy_spec_and_push(dev):
+    n = 1000
+    rng = np.random.default_rng(2)
+    x, y = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
+    pipe = Pipeline(dev, "test_saxpy", push=SaxpyPush, spec={0: 0.25})
+    bx, by = dev.memory.allocate(x.nbytes), dev.memory.allocate(y.nbytes)
+    try:
+        bx.upload(x)
+        by.upload(y)
+        with CommandRecorder(dev, timestamps=2) as rec:
+            rec.begin()
+            rec.timestamp()
+            rec.dispatch(pipe, pipe.bind(bx, by), (n + 63) // 64, pipe.push(a=3.0, n=n))
+            rec.timestamp()
+            rec.end()
+            rec.submit(timeout=30)
+            stamps = rec.timestamps_ms()
+        got = by.download(np.float32)
+    finally:
+        bx.close(), by.close(), pipe.close()
+    np.testing.assert_allclose(got, np.float32(3.0) * x + y + np.float32(0.25), rtol=1e-6, atol=1e-6)
+    assert stamps[1] > 0
+
+
+def test_typed_push_and_spec_errors(dev):
+    pipe = Pipeline(dev, "test_saxpy", push=SaxpyPush, spec={0: 1.0})
+    try:
+        with pytest.raises(TypeError):
+            pipe.push(a=1.0)  # missing n
+        with pytest.raises(TypeError):
+            pipe.push(a=1.0, n=1, bogus=2)
+        with pytest.raises(ValueError):
+            pipe.push(a=1.0, n=-1)  # does not fit uint32
+    finally:
+        pipe.close()
+    with pytest.raises(vkmoe.VkmoeError, match="specialization constant id 7"):
+        Pipeline(dev, "test_saxpy", push=SaxpyPush, spec={7: 1})
+
+    class WrongSize(PushConstants):
+        fields = [("a", "<f4")]
+
+    with pytest.raises(vkmoe.VkmoeError, match="push-constant"):
+        Pipeline(dev, "test_saxpy", push=WrongSize)
+
+
+def test_wait_timeout_raises_then_recovers(dev):
+    # A bounded kernel (per-invocation loop below lavapipe 22.3's cap) that runs far longer than 1 ms.
+    groups, iterations = 1024, 20000
+    pipe = Pipeline(dev, "test_spin", push=SpinPush)
+    buf = dev.memory.allocate(4 * (1024 + 64 * groups))
+    try:
+        buf.upload(np.arange(1024 + 64 * groups, dtype=np.uint32))
+        with CommandRecorder(dev) as rec:
+            rec.begin()
+            rec.dispatch(pipe, pipe.bind(buf), groups, pipe.push(iterations=iterations))
+            rec.end()
+            rec.submit(wait=False)
+            with pytest.raises(vkmoe.TimeoutError):
+                rec.wait(timeout=0.001)
+            assert rec.pending
+            rec.wait(timeout=120)  # the device is fine afterwards
+            assert not rec.pending
+        out = buf.download(np.uint32, shape=(4,), offset=4 * 1024)
+        assert out.any()
+    finally:
+        buf.close()
+        pipe.close()
+
+
+def test_loop_cap_quirk(dev):
+    cap = dev.quirks["loop_iteration_cap"]
+    major = _mesa_major(dev)
+    if dev.is_lavapipe and major == 22:
+        assert cap is not None and 65000 <= cap <= 66000
+    elif dev.is_lavapipe and major is not None and major >= 25:
+        assert cap is None
+
+
+def test_bad_inputs(dev, monkeypatch):
+    with dev.memory.allocate(64) as buf:
+        with pytest.raises(TypeError):
+            buf.upload([1, 2, 3])
+        with pytest.raises(TypeError):
+            buf.upload(np.array([object(), object()], dtype=object))
+        with pytest.raises(ValueError):
+            buf.upload(np.zeros(17, dtype=np.float32))  # 68 bytes into 64
+        with pytest.raises(ValueError):
+            buf.download(np.float32, shape=(17,))
+    with pytest.raises(vkmoe.VkmoeError, match="used after close"):
+        buf.upload(np.zeros(4, dtype=np.uint8))
+    with pytest.raises(ValueError):
+        dev.memory.allocate(0)
+    with pytest.raises(vkmoe.DeviceSelectionError, match="nonexistent"):
+        vkmoe.Device("nonexistent")
+    with pytest.raises(vkmoe.DeviceSelectionError, match="out of range"):
+        vkmoe.Device("99")
+    monkeypatch.setenv("VKMOE_DEVICE", "nonexistent")
+    with pytest.raises(vkmoe.DeviceSelectionError):
+        vkmoe.Device()
+    with pytest.raises(vkmoe.VkmoeError, match="not found"):
+        Pipeline(dev, "no_such_shader")
+
+
+def test_no_leak_over_200_cycles(dev):
+    x = np.arange(256, dtype=np.float32)
+    blocks = children = None
+    for i in range(201):
+        if i == 1:  # after one warm-up cycle: the manager keeps one empty block per memory kind for reuse
+            blocks, children = dev.memory.block_count(), len(dev._children)
+        pipe = Pipeline(dev, "test_saxpy", push=SaxpyPush, spec={0: float(i)})
+        bx, by = dev.memory.allocate(x.nbytes), dev.memory.allocate(x.nbytes, host_visible=(i % 2 == 0))
+        bx.upload(x)
+        by.upload(x)
+        with CommandRecorder(dev) as rec:
+            rec.begin()
+            rec.dispatch(pipe, pipe.bind(bx, by), 4, pipe.push(a=1.0, n=256))
+            rec.end()
+            rec.submit(timeout=30)
+        assert by.download(np.float32)[1] == np.float32(2.0 + i)
+        bx.close(), by.close(), pipe.close()
+    assert dev.memory.block_count() == blocks
+    assert len(dev._children) == children
+
+
+def test_device_create_destroy_cycles():
+    # In a subprocess so that the RSS measured is this loop's alone.
+    code = r"""
+import resource, vkmoe, numpy as np
+from vkmoe.vk import CommandRecorder, Pipeline, PushConstants
+class P(PushConstants):
+    fields = [("a", "<f4"), ("n", "<u4")]
+def cycle():
+    d = vkmoe.Device()
+    b = d.memory.allocate(1 << 16)
+    b.upload(np.ones(16, np.float32))
+    p = Pipeline(d, "test_saxpy", push=P, spec={0: 1.0})
+    rec = CommandRecorder(d)
+    rec.begin(); rec.dispatch(p, p.bind(b, b), 1, p.push(a=1.0, n=16)); rec.end(); rec.submit(timeout=30)
+    d.close()  # closes what it still tracks: the buffer, the pipeline and the recorder
+    m = d.take_validation_messages()
+    assert m == [], m
+for _ in range(20):
+    cycle()
+r0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+for _ in range(200):
+    cycle()
+r1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print((r1 - r0) // 1024)
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=ROOT))
+    assert out.returncode == 0, out.stderr[-2000:]
+    grown_mib = int(out.stdout.strip().splitlines()[-1])
+    assert grown_mib < 64, f"RSS grew {grown_mib} MiB over 200 device cycles"

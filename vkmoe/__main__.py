@@ -1,0 +1,137 @@
+"""vkmoe's command line.
+
+    python -m vkmoe info [--json] [--device SEL]      the device report (Device().info())
+    python -m vkmoe probe [--json] [--no-cache] [--force-fail] [--device SEL] [--repeats N]
+                                                      may the persistent kernel run here, and on how many workgroups
+    python -m vkmoe demo [--device SEL]               (placeholder: prints the device report)
+
+Exit codes of `probe`: 0 = persistent mode allowed, 3 = use the split fallback, 2 = error (bad arguments, no such
+device, a Vulkan failure, a wait that timed out).
+"""
+import argparse
+import json
+import os
+import sys
+
+EXIT_OK, EXIT_ERROR, EXIT_FALLBACK = 0, 2, 3
+
+
+def format_info(info):
+    """A device report from Device().info() as text."""
+    driver = info.get("driver_info") or info.get("driver")
+    lines = [f"Device {info['index']}: {info['name']} ({info['type']})"]
+    if info.get("mesa_version"):
+        flavour = "lavapipe, " if info["type"] == "cpu" or "llvmpipe" in info["name"].lower() else ""
+        lines.append(f"  driver:         {info['driver']} ({flavour}Mesa {info['mesa_version']}) - {driver}")
+    else:
+        lines.append(f"  driver:         {info['driver']} - {driver}")
+    lines.append(f"  Vulkan API:     {info['api']}   vendor {info['vendor_id']:#06x} device {info['device_id']:#06x}")
+    lines.append(f"  compute units:  {info['compute_units']} (source: {info['compute_units_source']})")
+    sg = info["subgroup_size_range"]
+    lines.append(f"  subgroup size:  {info['subgroup_size']} (range {sg[0]}..{sg[1]})")
+    L = info["limits"]
+    lines.append(f"  shared memory:  {L['max_shared_memory']} B per workgroup; workgroup <= "
+                 f"{L['max_workgroup_invocations']} invocations; max groups {L['max_workgroup_count'][0]}")
+    lines.append(f"  storage range:  {L['max_storage_buffer_range']} B; push constants {L['max_push_constants_size']} B;"
+                 f" timestamp period {L['timestamp_period_ns']} ns")
+    on = [k for k, v in info["features"].items() if v]
+    off = [k for k, v in info["features"].items() if not v]
+    lines.append(f"  features:       {', '.join(on)}")
+    if off:
+        lines.append(f"  not available:  {', '.join(off)}")
+    lines.append(f"  int dot product accelerated: {info['integer_dot_product_accelerated']}; "
+                 f"validation layer: {'on' if info['validation'] else 'off'}")
+    quirks = info.get("quirks") or {}
+    cap = quirks.get("loop_iteration_cap")
+    lines.append("  quirks:         loop iteration cap " + (f"{cap} (loops silently end after it)" if cap else "none")
+                 + "".join(f"; {k}: {v}" for k, v in quirks.items() if k != "loop_iteration_cap"))
+    return "\n".join(lines)
+
+
+def _open_device(selector):
+    from . import Device
+
+    return Device(selector)
+
+
+def cmd_info(args):
+    with _open_device(args.device) as dev:
+        info = dev.info()
+    print(json.dumps(info, indent=1, default=str) if args.json else format_info(info))
+    return EXIT_OK
+
+
+def cmd_probe(args):
+    from .sched.probe import format_report, probe_residency
+
+    with _open_device(args.device) as dev:
+        report = probe_residency(dev, progress=not args.quiet, repeats=args.repeats, store=not args.no_cache,
+                                 force_fail=args.force_fail)
+        messages = dev.take_validation_messages()
+    if messages:
+        report["validation_messages"] = messages
+    print(json.dumps(report, indent=1, default=str) if args.json else format_report(report))
+    if messages:
+        print(f"vkmoe probe: {len(messages)} validation message(s); first: {messages[0]}", file=sys.stderr)
+        return EXIT_ERROR
+    return EXIT_OK if report["verdict"]["persistent"] else EXIT_FALLBACK
+
+
+def cmd_demo(args):
+    # ---- DEMO: placeholder for the lead. Replace the body with the MoE demo (build a small EXL3 MoE layer, run it
+    # ---- persistent + split, compare with the reference, print timings). Until then it prints the device report.
+    with _open_device(args.device) as dev:
+        print(format_info(dev.info()))
+    print("\n(demo: not written yet; this is the device report)")
+    return EXIT_OK
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="python -m vkmoe", description="vkmoe: EXL3 MoE MLP on Vulkan")
+    sub = p.add_subparsers(dest="command", required=True)
+    device_help = "device index or name substring (default: VKMOE_DEVICE, else the best device)"
+
+    pi = sub.add_parser("info", help="print the device report")
+    pi.add_argument("--json", action="store_true", help="machine-readable output")
+    pi.add_argument("--device", default=None, help=device_help)
+    pi.set_defaults(fn=cmd_info)
+
+    pp = sub.add_parser("probe", help="measure co-residency and decide persistent vs split",
+                        description="Measures co-resident workgroups per pipeline variant, checks the spin barrier "
+                                    "and message passing, prints a verdict and caches it for the launch plan. "
+                                    "Exit: 0 persistent OK, 3 use the split fallback, 2 error.")
+    pp.add_argument("--json", action="store_true", help="print the report as JSON")
+    pp.add_argument("--no-cache", action="store_true", help="do not store the result in the residency cache")
+    pp.add_argument("--force-fail", action="store_true",
+                    help="test hook: require more co-resident workgroups than were launched, so the verdict "
+                         "fails (exit 3); the result is not cached")
+    pp.add_argument("--device", default=None, help=device_help)
+    pp.add_argument("--repeats", type=int, default=5, help="co-residency measurements per variant (default 5)")
+    pp.add_argument("--quiet", action="store_true", help="no progress bar")
+    pp.set_defaults(fn=cmd_probe)
+
+    pd = sub.add_parser("demo", help="(placeholder) run the MoE demo")
+    pd.add_argument("--device", default=None, help=device_help)
+    pd.set_defaults(fn=cmd_demo)
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    if getattr(args, "repeats", 1) < 1:
+        print("vkmoe: --repeats must be >= 1", file=sys.stderr)
+        return EXIT_ERROR
+    from .vk.errors import VkmoeError
+
+    try:
+        return args.fn(args)
+    except VkmoeError as exc:  # includes device selection errors and vkmoe.TimeoutError
+        print(f"vkmoe {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    # argparse exits with 2 on bad arguments, matching EXIT_ERROR.
+    sys.exit(main())

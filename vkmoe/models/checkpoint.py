@@ -1,0 +1,316 @@
+"""exllamav3-format model directories: a lazy reader (single or sharded safetensors) and a generator of random,
+valid EXL3 MoE checkpoints for tests and demos (`tools/make_exl3_moe_checkpoint` is a thin wrapper)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import struct
+import sys
+
+import numpy as np
+
+from ..exl3 import Exl3Tensor, save_exl3_tensor
+from ..exl3.decode import codebook_table
+from .config import ARCHITECTURES, CheckpointError, MissingTensorError, MoeConfig
+
+__all__ = ["Checkpoint", "open_checkpoint", "write_checkpoint", "checkpoint_config"]
+
+INDEX_NAME = "model.safetensors.index.json"
+_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I64": np.int64,
+           "I32": np.int32, "I16": np.int16, "I8": np.int8, "U64": np.uint64, "U32": np.uint32, "U16": np.uint16,
+           "U8": np.uint8, "BOOL": np.bool_}
+
+
+class _SafetensorsFile:
+    """Header-only open; tensors are read on demand. Our own reader because numpy has no bfloat16 (HF routers
+    are often bf16): BF16 is widened to float32 exactly."""
+
+    def __init__(self, path):
+        self.path = path
+        try:
+            with open(path, "rb") as f:
+                raw = f.read(8)
+                if len(raw) != 8:
+                    raise CheckpointError(f"{path}: truncated safetensors file (no header)")
+                (n,) = struct.unpack("<Q", raw)
+                if n > 100_000_000:
+                    raise CheckpointError(f"{path}: not a safetensors file (header length {n})")
+                header = json.loads(f.read(n))
+        except FileNotFoundError:
+            raise CheckpointError(f"{path}: safetensors file not found") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise CheckpointError(f"{path}: not a safetensors file ({exc})") from None
+        self.data_start = 8 + n
+        header.pop("__metadata__", None)
+        self.header = header
+
+    def keys(self):
+        return self.header.keys()
+
+    def read(self, key) -> np.ndarray:
+        info = self.header[key]
+        dtype = info["dtype"]
+        if dtype not in _DTYPES:
+            raise CheckpointError(f"{self.path}: tensor {key} has unsupported dtype {dtype}")
+        begin, end = info["data_offsets"]
+        shape = tuple(info["shape"])
+        out = np.empty(shape, dtype=_DTYPES[dtype])
+        if out.nbytes != end - begin:
+            raise CheckpointError(f"{self.path}: tensor {key}: {end - begin} bytes stored for {dtype}{list(shape)}")
+        with open(self.path, "rb") as f:
+            f.seek(self.data_start + begin)
+            if f.readinto(memoryview(out.reshape(-1)).cast("B")) != out.nbytes:
+                raise CheckpointError(f"{self.path}: tensor {key} is truncated")
+        if dtype == "BF16":
+            out = (out.astype(np.uint32) << 16).view(np.float32)
+        return out
+
+
+class Checkpoint:
+    """Dict-like view (keys(), [key], `in`) over a model directory's safetensors, sharded or not.
+
+    Accepted by vkmoe.exl3's loaders as a source. Missing keys raise MissingTensorError naming key and directory.
+    """
+
+    def __init__(self, path):
+        self.path = os.fspath(path)
+        if not os.path.isdir(self.path):
+            raise CheckpointError(f"{self.path}: not a directory")
+        self._files = {}
+        self._where = {}
+        index = os.path.join(self.path, INDEX_NAME)
+        if os.path.exists(index):
+            try:
+                with open(index) as f:
+                    weight_map = json.load(f)["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise CheckpointError(f"{index}: not a safetensors index (needs a 'weight_map'): {exc}") from None
+            for key, fname in weight_map.items():
+                fpath = os.path.join(self.path, fname)
+                if fname not in self._files:
+                    if not os.path.exists(fpath):
+                        raise CheckpointError(f"{index}: shard {fname} (holding {key}) does not exist")
+                    self._files[fname] = _SafetensorsFile(fpath)
+                self._where[key] = fname
+        else:
+            single = os.path.join(self.path, "model.safetensors")
+            names = ["model.safetensors"] if os.path.exists(single) else sorted(
+                n for n in os.listdir(self.path) if n.endswith(".safetensors"))
+            if not names:
+                raise CheckpointError(f"{self.path}: no *.safetensors files and no {INDEX_NAME}")
+            for fname in names:
+                sf = self._files[fname] = _SafetensorsFile(os.path.join(self.path, fname))
+                for key in sf.keys():
+                    if key in self._where:
+                        raise CheckpointError(f"{self.path}: tensor {key} is in both {self._where[key]} and {fname}")
+                    self._where[key] = fname
+
+    def keys(self):
+        return self._where.keys()
+
+    def __contains__(self, key):
+        return key in self._where
+
+    def __len__(self):
+        return len(self._where)
+
+    def __getitem__(self, key):
+        fname = self._where.get(key)
+        if fname is None:
+            raise MissingTensorError(f"tensor {key} not found in checkpoint {self.path}")
+        sf = self._files[fname]
+        if key not in sf.header:
+            raise CheckpointError(f"{INDEX_NAME} maps {key} to {fname}, but that file does not contain it")
+        return sf.read(key)
+
+    def subset(self, prefix: str) -> dict:
+        """{key: lazy} restricted to keys under `prefix` (cheap key scans for the EXL3 loaders)."""
+        return _Subset(self, [k for k in self._where if k.startswith(prefix)])
+
+    def __repr__(self):
+        return f"Checkpoint({self.path!r}, {len(self._where)} tensors in {len(self._files)} file(s))"
+
+
+class _Subset:
+    def __init__(self, parent, keys):
+        self._parent, self._keys = parent, keys
+        self.path = parent.path
+
+    def keys(self):
+        return self._keys
+
+    def __contains__(self, key):
+        return key in self._parent
+
+    def __getitem__(self, key):
+        return self._parent[key]
+
+
+def open_checkpoint(path) -> Checkpoint:
+    return Checkpoint(path)
+
+
+# ------------------------------------------------------------------------------------------- generator
+_ARCH_CLASS = {v: k for k, v in ARCHITECTURES.items()}
+
+
+def checkpoint_config(arch="qwen3_moe", hidden=256, intermediate=128, experts=8, top_k=2, layers=1, bits=4,
+                      codebook="mul1", n_group=1, topk_group=1, shared_experts=None, hidden_act="silu",
+                      norm_topk_prob=True, routed_scaling_factor=2.5) -> dict:
+    """The config.json dict write_checkpoint writes (HF names)."""
+    if arch not in _ARCH_CLASS:
+        raise ValueError(f"arch: expected one of {', '.join(_ARCH_CLASS)}, got {arch!r}")
+    cfg = {
+        "architectures": [_ARCH_CLASS[arch]],
+        "model_type": arch,
+        "hidden_size": hidden,
+        "moe_intermediate_size": intermediate,
+        "intermediate_size": intermediate * 4,
+        "num_experts_per_tok": top_k,
+        "num_hidden_layers": layers,
+        "hidden_act": hidden_act,
+        "norm_topk_prob": bool(norm_topk_prob),
+        "torch_dtype": "float16",
+        "quantization_config": {"quant_method": "exl3", "bits": float(bits), "codebook": codebook,
+                                "generated_by": "vkmoe.models.write_checkpoint (random weights)"},
+    }
+    if arch == "qwen3_moe":
+        cfg.update({"num_experts": experts, "decoder_sparse_step": 1, "mlp_only_layers": []})
+    else:
+        cfg.update({"n_routed_experts": experts, "n_shared_experts": 1 if shared_experts is None else shared_experts,
+                    "n_group": n_group, "topk_group": topk_group, "scoring_func": "sigmoid",
+                    "topk_method": "noaux_tc", "routed_scaling_factor": float(routed_scaling_factor),
+                    "first_k_dense_replace": 0, "moe_layer_freq": 1})
+    return cfg
+
+
+def _random_exl3(rng, k, n, bits, codebook, sigma, out_scale):
+    """Random trellis (every uint16 pattern is a valid code) with scales giving y rms ≈ out_scale · rms(x).
+
+    y = ((x⊙suh)·Hk·Ŵ)·Hn⊙svh with orthonormal H and Ŵ entries of std sigma has
+    rms |suh|·|svh|·sigma·sqrt(k)·rms(x), so |suh| ≈ 1/(sigma·sqrt(k)) keeps the fp16 GEMM result near 1 and
+    |svh| ≈ out_scale sets the output scale.
+    """
+    trellis = rng.integers(0, 1 << 16, size=(k // 16, n // 16, 16 * bits), dtype=np.uint16)
+    sign = lambda size: np.where(rng.random(size) < 0.5, -1.0, 1.0)  # noqa: E731
+    suh = sign(k) * np.abs(rng.normal(1.0, 0.1, k)) / (sigma * math.sqrt(k))
+    svh = sign(n) * np.abs(rng.normal(1.0, 0.1, n)) * out_scale
+    return Exl3Tensor(trellis, suh.astype(np.float16), svh.astype(np.float16), codebook=codebook)
+
+
+def _plan(cfg, codebook, bits):
+    """[(key, builder)] in file order; builder(rng) -> {name: array}. Each item has its own seed so tensor
+    contents do not depend on how the items are split into shards."""
+    H, I = cfg["hidden_size"], cfg["moe_intermediate_size"]
+    E = cfg.get("num_experts", cfg.get("n_routed_experts"))
+    sigma = float(codebook_table(codebook).astype(np.float64).std())
+    items = []
+
+    def linear(key, k, n, out_scale):
+        def build(rng):
+            return save_exl3_tensor({}, key, _random_exl3(rng, k, n, bits, codebook, sigma, out_scale))
+        return key, build, k * n * bits // 8 + 2 * (k + n)
+
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{layer}.mlp"
+
+        def router(rng, p=p):
+            # std 1/sqrt(H): logits of O(1) for hidden of rms 1, so routing is neither uniform nor one-hot.
+            out = {f"{p}.gate.weight": (rng.standard_normal((E, H)) / math.sqrt(H)).astype(np.float16)}
+            if cfg["model_type"] == "deepseek_v3":
+                out[f"{p}.gate.e_score_correction_bias"] = (rng.standard_normal(E) * 0.05).astype(np.float32)
+            return out
+        items.append((f"{p}.gate", router, E * H * 2))
+        for e in range(E):
+            for proj, k, n, scale in (("gate", H, I, 1.0), ("up", H, I, 1.0), ("down", I, H, 0.5)):
+                items.append(linear(f"{p}.experts.{e}.{proj}_proj", k, n, scale))
+        ns = cfg.get("n_shared_experts", 0)
+        if ns:
+            Is = I * ns
+            for proj, k, n, scale in (("gate", H, Is, 1.0), ("up", H, Is, 1.0), ("down", Is, H, 0.5)):
+                items.append(linear(f"{p}.shared_experts.{proj}_proj", k, n, scale))
+    return items
+
+
+class _Progress:
+    def __init__(self, total, enabled, label):
+        self.total, self.done, self.enabled, self.label = total, 0, enabled, label
+        self._shown = -1
+
+    def step(self, n):
+        self.done += n
+        if self.enabled:
+            frac = self.done / max(1, self.total)
+            if int(frac * 200) == self._shown:  # redraw every half percent, not per tensor
+                return
+            self._shown = int(frac * 200)
+            bar = "#" * int(frac * 30)
+            sys.stderr.write(f"\r{self.label} [{bar:<30}] {frac * 100:5.1f}% {self.done / 2**20:8.1f} MiB")
+            if self.done >= self.total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def write_checkpoint(out, arch="qwen3_moe", hidden=256, intermediate=128, experts=8, top_k=2, layers=1, bits=4,
+                     codebook="mul1", n_group=1, topk_group=1, shared_experts=None, seed=0, shards=1,
+                     hidden_act="silu", norm_topk_prob=True, routed_scaling_factor=2.5, progress=None,
+                     omit=()) -> str:
+    """Write a random, valid exllamav3-format MoE checkpoint (config.json + safetensors) to directory `out`.
+
+    Block outputs have rms O(0.1-1) for hidden states of rms 1 and every fp16 intermediate stays far from
+    overflow. `shards` > 1 splits the tensors into that many files plus model.safetensors.index.json.
+    `progress`: None = a bar on stderr when the checkpoint exceeds 64 MiB. `omit`: keys (exact, or a tensor
+    prefix such as "...experts.3.up_proj") left out, to build broken checkpoints for tests.
+    Returns `out`.
+    """
+    from safetensors.numpy import save_file
+
+    cfg = checkpoint_config(arch, hidden, intermediate, experts, top_k, layers, bits, codebook, n_group,
+                            topk_group, shared_experts, hidden_act, norm_topk_prob, routed_scaling_factor)
+    MoeConfig.from_dict(cfg, source="write_checkpoint arguments")  # the same checks a reader applies
+    if not 1 <= int(bits) <= 8:
+        raise ValueError(f"bits: expected 1..8, got {bits}")
+    if codebook not in ("mul1", "mcg", "3inst"):
+        raise ValueError(f"codebook: expected mul1, mcg or 3inst, got {codebook!r}")
+    if layers < 1 or shards < 1:
+        raise ValueError(f"layers and shards must be >= 1, got layers={layers}, shards={shards}")
+    os.makedirs(out, exist_ok=True)
+    # A previous run's shards or index would otherwise shadow (index) or duplicate (glob) this run's tensors.
+    for name in os.listdir(out):
+        if name in (INDEX_NAME, "model.safetensors") or re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", name):
+            os.remove(os.path.join(out, name))
+    items = _plan(cfg, codebook, int(bits))
+    total = sum(size for _, _, size in items)
+    shards = min(shards, len(items))
+    # Contiguous split by bytes: shard s gets the items whose start offset falls in [s, s+1)·total/shards.
+    bounds, acc = [], 0
+    for _, _, size in items:
+        bounds.append(min(shards - 1, int(acc * shards / total)))
+        acc += size
+    bar = _Progress(total, progress if progress is not None else total > 64 * 2**20, f"writing {out}")
+    omit = tuple(omit)
+    weight_map, total_size = {}, 0
+    for s in range(shards):
+        fname = "model.safetensors" if shards == 1 else f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        tensors = {}
+        for idx, (key, build, size) in enumerate(items):
+            if bounds[idx] != s:
+                continue
+            for name, arr in build(np.random.default_rng([seed, idx])).items():
+                if any(name == o or name.startswith(o + ".") for o in omit):
+                    continue
+                tensors[name] = np.ascontiguousarray(arr)
+            bar.step(size)
+        save_file(tensors, os.path.join(out, fname), metadata={"format": "pt"})
+        for name, arr in tensors.items():
+            weight_map[name] = fname
+            total_size += arr.nbytes
+    if shards > 1:
+        with open(os.path.join(out, INDEX_NAME), "w") as f:
+            json.dump({"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}, f,
+                      indent=2)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    return out

@@ -1,0 +1,368 @@
+"""Exl3MoeMlp: exllamav3's fused EXL3 MoE MLP on a Vulkan device.
+
+Weights are uploaded once, one buffer per projection and kind (all experts back to back). A forward is
+routing prep + the stage bodies of shaders/include/moe_stages.glsl, either as split dispatches with pipeline
+barriers or as one persistent dispatch with spin barriers (vkmoe.sched decides; see ARCHITECTURE.md).
+"""
+import os
+import time
+
+import numpy as np
+
+from ..exl3 import Exl3Tensor
+from ..vk import CommandRecorder, PushConstants
+from . import kernels
+from .plan import moe_plan
+
+ACTIVATIONS = {"silu": 0, "gelu": 1, "relu2": 2, "swiglu_oai": 3, "gelu_erf": 4}
+DISPATCH_MODES = ("auto", "persistent", "split")
+POISON_F32 = 0x7FC00000  # a quiet NaN: an output element the kernels forget to write shows up in every test
+MOE_BINDINGS = 19       # shaders/include/moe_bindings.glsl
+MAX_TOP_K = 32          # shaders/include/moe_stages.glsl unrolls per-token slot loops to this
+MAX_EXPERTS = 1024       # routing counters live in shared memory (2 x 4 bytes per expert)
+
+
+class MoePush(PushConstants):
+    fields = [("m", "<u4"), ("top_k", "<u4"), ("E", "<u4"), ("H", "<u4"), ("I", "<u4"), ("max_chunks", "<u4"),
+              ("splits_gu", "<u4"), ("kt_gu", "<u4"), ("splits_d", "<u4"), ("kt_d", "<u4"),
+              ("act_limit", "<f4"), ("num_workgroups", "<u4")]
+
+
+def _check_experts(name, tensors, k, n, allow_none=False):
+    if tensors is None:
+        if allow_none:
+            return None
+        raise ValueError(f"{name} must be a non-empty list of vkmoe.Exl3Tensor, got None")
+    if not isinstance(tensors, (list, tuple)) or not tensors:
+        raise TypeError(f"{name} must be a non-empty list of vkmoe.Exl3Tensor (one per expert), got {type(tensors).__name__}")
+    for e, t in enumerate(tensors):
+        if not isinstance(t, Exl3Tensor):
+            raise TypeError(f"{name}[{e}] must be a vkmoe.Exl3Tensor, got {type(t).__name__}")
+        if (t.k, t.n) != (k, n):
+            raise ValueError(f"{name}[{e}] has shape (k={t.k}, n={t.n}); expected (k={k}, n={n})")
+        if t.bits != tensors[0].bits:
+            raise ValueError(f"{name}[{e}] has {t.bits} bits but {name}[0] has {tensors[0].bits}: all experts of "
+                             "a projection must share the bit width")
+        if t.codebook != tensors[0].codebook:
+            raise ValueError(f"{name}[{e}] uses codebook {t.codebook!r} but {name}[0] uses {tensors[0].codebook!r}")
+        if t.bias is not None:
+            raise ValueError(f"{name}[{e}] has a bias; the fused MoE op (like exllamav3's) takes experts without bias")
+    return list(tensors)
+
+
+def parse_dispatch(dispatch):
+    """The dispatch mode: the argument wins, then VKMOE_DISPATCH, then "auto"."""
+    source = "dispatch argument"
+    if dispatch is None:
+        dispatch, source = os.environ.get("VKMOE_DISPATCH", "auto"), "VKMOE_DISPATCH"
+    mode = str(dispatch).strip().lower()
+    if mode not in DISPATCH_MODES:
+        raise ValueError(f"{source}={dispatch!r}: expected one of {', '.join(DISPATCH_MODES)}")
+    return mode
+
+
+class _Projection:
+    """All experts of one projection on the device: trellis words back to back, suh (E, k), svh (E, n)."""
+
+    def __init__(self, device, tensors):
+        self.bits, self.k, self.n = tensors[0].bits, tensors[0].k, tensors[0].n
+        mem = device.memory
+        trellis_bytes = sum(t.trellis.nbytes for t in tensors)
+        self.trellis = mem.allocate(trellis_bytes)
+        offset = 0
+        for t in tensors:
+            self.trellis.upload(t.trellis, offset)
+            offset += t.trellis.nbytes
+        self.suh = mem.allocate(len(tensors) * self.k * 2)
+        self.suh.upload(np.stack([t.suh for t in tensors]).astype(np.float16))
+        self.svh = mem.allocate(len(tensors) * self.n * 2)
+        self.svh.upload(np.stack([t.svh for t in tensors]).astype(np.float16))
+        self.buffers = (self.trellis, self.suh, self.svh)
+
+    def close(self):
+        for b in self.buffers:
+            b.close()
+
+
+class _Scratch:
+    """The per-batch-size device buffers of one layer: routing tables, fp16 stage buffers, GEMM partials,
+    per-(token, slot) output rows and the self-resetting counters."""
+
+    def __init__(self, device, plan, H, I):
+        mem = device.memory
+        R, m = plan.R, plan.m
+        self.plan = plan
+        self.route = mem.allocate(4 * (16 + 3 * plan.max_chunks + 2 * R + m))
+        self.states = mem.allocate(2 * R * H * 2)
+        self.inter = mem.allocate(R * I * 2)
+        self.partial = mem.allocate(4 * max(2 * plan.splits_gu * R * I, plan.splits_d * R * H))
+        self.rows = mem.allocate(4 * R * H)
+        self.sync_words = 16 + plan.max_chunks * (I // 128) + plan.max_chunks * (H // 128) + m * (H // 128)
+        self.sync = mem.allocate(4 * self.sync_words)
+        self.reset_sync()
+        self.buffers = (self.route, self.states, self.inter, self.partial, self.rows, self.sync)
+
+    def reset_sync(self):
+        self.sync.upload(np.zeros(self.sync_words, np.uint32))
+
+    def close(self):
+        for b in self.buffers:
+            b.close()
+
+
+class Exl3MoeMlp:
+    """The routed experts of one MoE layer.
+
+    gate, up, down: lists of Exl3Tensor, one per expert (gate None for the gateless "relu2"). gate/up map
+    hidden H -> intermediate I, down maps I -> H. `moe(hidden, expert_ids, expert_weights)` returns (m, H)
+    float32; `moe.last_run` says how it ran.
+    """
+
+    def __init__(self, device, gate, up, down, activation="silu", act_limit=0.0, dispatch=None):
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+        self.activation, self.gated = activation, activation != "relu2"
+        if not self.gated and gate is not None:
+            raise ValueError("activation 'relu2' is gateless: pass gate=None")
+        if self.gated and gate is None:
+            raise ValueError(f"activation {activation!r} needs gate projections (gate=None is only for 'relu2')")
+        if not isinstance(up, (list, tuple)) or not up or not isinstance(up[0], Exl3Tensor):
+            raise TypeError("up must be a non-empty list of vkmoe.Exl3Tensor (one per expert)")
+        H, I = up[0].k, up[0].n
+        up = _check_experts("up", up, H, I)
+        gate = _check_experts("gate", gate, H, I, allow_none=True)
+        down = _check_experts("down", down, I, H)
+        E = len(up)
+        for name, group in (("gate", gate), ("down", down)):
+            if group is not None and len(group) != E:
+                raise ValueError(f"{name} has {len(group)} experts but up has {E}")
+        codebooks = {t[0].codebook for t in (gate, up, down) if t is not None}
+        if len(codebooks) != 1:
+            raise ValueError(f"gate, up and down must share one codebook, got {sorted(codebooks)}")
+        if E > MAX_EXPERTS:
+            raise ValueError(f"{E} experts: vkmoe supports at most {MAX_EXPERTS} per layer")
+        try:
+            self.act_limit = float(act_limit)
+        except (TypeError, ValueError):
+            raise TypeError(f"act_limit must be a number, got {act_limit!r}") from None
+        if not np.isfinite(self.act_limit) or self.act_limit < 0:
+            raise ValueError(f"act_limit must be finite and >= 0 (0 = no clamp), got {act_limit!r}")
+        self.dispatch = parse_dispatch(dispatch)
+        self.device = device
+        self.E, self.H, self.I = E, H, I
+        self.codebook = codebooks.pop()
+        self.bits = {"gate": gate[0].bits if gate else 0, "up": up[0].bits, "down": down[0].bits}
+        limit = device.limits.maxStorageBufferRange
+        for name, group in (("gate", gate), ("up", up), ("down", down)):
+            if group is not None and sum(t.trellis.nbytes for t in group) > limit:
+                raise ValueError(f"the {name} trellises of all experts need {sum(t.trellis.nbytes for t in group)} "
+                                 f"bytes, more than this device's maxStorageBufferRange ({limit})")
+        self._up = _Projection(device, up)
+        self._down = _Projection(device, down)
+        self._gate = _Projection(device, gate) if gate is not None else self._up  # gateless: bound, never read
+        self._scratch = {}
+        self._io = {}
+        self.last_run = None
+
+    # --------------------------------------------------------------------------------------------- loading
+    @classmethod
+    def from_safetensors(cls, device, path, prefix, activation="silu", act_limit=0.0, dispatch=None):
+        """Load `{prefix}.experts.{e}.{gate,up,down}_proj` (exllamav3 names) from a safetensors file or dict."""
+        from ..exl3 import load_moe_experts
+
+        experts = load_moe_experts(path, prefix)
+        gate = experts.get("gate")
+        if gate is None and activation != "relu2":
+            raise ValueError(f"{prefix}: no gate_proj tensors; a gateless layer needs activation='relu2'")
+        return cls(device, gate, experts["up"], experts["down"], activation, act_limit, dispatch)
+
+    # ----------------------------------------------------------------------------------------- recording
+    def _spec(self, plan):
+        return {0: self.bits["gate"] or self.bits["up"], 1: self.bits["up"], 2: self.bits["down"],
+                3: kernels.CODEBOOK_IDS[self.codebook], 4: plan.rows, 5: ACTIVATIONS[self.activation]}
+
+    def _scratch_for(self, m, top_k):
+        key = (m, top_k)
+        if key not in self._scratch:
+            plan = moe_plan(self.device, m, top_k, self.E, self.H, self.I, self.gated)
+            self._scratch[key] = _Scratch(self.device, plan, self.H, self.I)
+        return self._scratch[key]
+
+    def _push(self, plan, workgroups=0):
+        return MoePush(m=plan.m, top_k=plan.top_k, E=self.E, H=self.H, I=self.I, max_chunks=plan.max_chunks,
+                       splits_gu=plan.splits_gu, kt_gu=plan.kt_gu, splits_d=plan.splits_d, kt_d=plan.kt_d,
+                       act_limit=self.act_limit, num_workgroups=workgroups)
+
+    def _bindings(self, scratch, hidden_buf, ids_buf, weights_buf, out_buf):
+        g, u, d = self._gate, self._up, self._down
+        return (hidden_buf, ids_buf, weights_buf, out_buf, *g.buffers, *u.buffers, *d.buffers, scratch.route,
+                scratch.states, scratch.inter, scratch.partial, scratch.rows, scratch.sync)
+
+    def _record_split(self, cmd, scratch, buffers):
+        plan, dev = scratch.plan, self.device
+        spec, push = self._spec(plan), self._push(plan)
+        route = kernels.pipeline(dev, "moe_route", MoePush, spec, binding_count=MOE_BINDINGS)
+        stage1 = kernels.pipeline(dev, "moe_stage1", MoePush, spec, binding_count=MOE_BINDINGS)
+        gate_up = kernels.pipeline(dev, "moe_gate_up", MoePush, spec, decode=True, binding_count=MOE_BINDINGS)
+        down = kernels.pipeline(dev, "moe_down", MoePush, spec, decode=True, binding_count=MOE_BINDINGS)
+        cmd.dispatch(route, route.bind(*buffers), 1, push)
+        cmd.barrier()
+        items = -(-plan.R * (self.H // 128) // 2)
+        x = min(items, 65535)
+        cmd.dispatch(stage1, stage1.bind(*buffers), (x, -(-items // x)), push)
+        cmd.barrier()
+        gu_x = (self.I // 128) * (2 if self.gated else 1) * plan.splits_gu
+        cmd.dispatch(gate_up, gate_up.bind(*buffers), (gu_x, plan.max_chunks), push)
+        cmd.barrier()
+        cmd.dispatch(down, down.bind(*buffers), ((self.H // 128) * plan.splits_d, plan.max_chunks), push)
+        cmd.barrier()
+
+    def record(self, cmd, hidden_buf, ids_buf, weights_buf, out_buf, m, top_k):
+        """Append the forward of m tokens to a recording CommandRecorder. hidden_buf: (m, H) fp16; ids_buf:
+        (m, top_k) int32 (ids outside [0, E) are skipped); weights_buf: (m, top_k) float32; out_buf receives
+        (m, H) float32. Ends with a barrier. Records the split path (a recorded persistent launch could not
+        fall back on its own)."""
+        if m <= 0:
+            return
+        need = {"hidden_buf": m * self.H * 2, "ids_buf": m * top_k * 4, "weights_buf": m * top_k * 4,
+                "out_buf": m * self.H * 4}
+        for name, buf in zip(need, (hidden_buf, ids_buf, weights_buf, out_buf)):
+            if buf.size < need[name]:
+                raise ValueError(f"{name} holds {buf.size} bytes; m={m}, top_k={top_k} needs {need[name]}")
+        scratch = self._scratch_for(m, top_k)
+        self._record_split(cmd, scratch, self._bindings(scratch, hidden_buf, ids_buf, weights_buf, out_buf))
+        return scratch.plan
+
+    # ------------------------------------------------------------------------------------------ validation
+    def _check_inputs(self, hidden, expert_ids, expert_weights):
+        if not isinstance(hidden, np.ndarray) or hidden.ndim != 2 or hidden.shape[1] != self.H:
+            raise ValueError(f"hidden must be a numpy array of shape (m, {self.H}), got "
+                             f"{getattr(hidden, 'shape', type(hidden).__name__)}")
+        if hidden.dtype != np.float16:
+            raise TypeError(f"hidden must be float16, got {hidden.dtype}")
+        m = hidden.shape[0]
+        if not isinstance(expert_ids, np.ndarray) or expert_ids.ndim != 2 or expert_ids.shape[0] != m:
+            raise ValueError(f"expert_ids must be a numpy array of shape ({m}, top_k), got "
+                             f"{getattr(expert_ids, 'shape', type(expert_ids).__name__)}")
+        if expert_ids.dtype.kind not in "iu":
+            raise TypeError(f"expert_ids must be an integer array, got {expert_ids.dtype}")
+        top_k = expert_ids.shape[1]
+        if not 1 <= top_k <= min(self.E, MAX_TOP_K):
+            raise ValueError(f"expert_ids has top_k={top_k}; expected 1 <= top_k <= {min(self.E, MAX_TOP_K)} "
+                             f"(the number of experts, {self.E}, and vkmoe's limit {MAX_TOP_K})")
+        if not isinstance(expert_weights, np.ndarray) or expert_weights.shape != expert_ids.shape:
+            raise ValueError(f"expert_weights must be a numpy array of shape {expert_ids.shape}, got "
+                             f"{getattr(expert_weights, 'shape', type(expert_weights).__name__)}")
+        if expert_weights.dtype not in (np.float16, np.float32, np.float64):
+            raise TypeError(f"expert_weights must be float16/float32, got {expert_weights.dtype}")
+        if m and (expert_ids.min() < 0 or expert_ids.max() >= self.E):
+            bad = expert_ids[(expert_ids < 0) | (expert_ids >= self.E)][0]
+            raise ValueError(f"expert_ids must lie in [0, {self.E}); found {bad}")
+        if m and top_k > 1:
+            s = np.sort(expert_ids, axis=1)
+            if (s[:, 1:] == s[:, :-1]).any():
+                row = int(np.nonzero((s[:, 1:] == s[:, :-1]).any(axis=1))[0][0])
+                raise ValueError(f"expert_ids row {row} names an expert twice: {expert_ids[row].tolist()}")
+        if not np.isfinite(expert_weights).all():
+            raise ValueError("expert_weights contains NaN or Inf")
+        return m, top_k
+
+    # -------------------------------------------------------------------------------------------- forward
+    def __call__(self, hidden, expert_ids, expert_weights, dispatch=None):
+        m, top_k = self._check_inputs(hidden, expert_ids, expert_weights)
+        mode = self.dispatch if dispatch is None else parse_dispatch(dispatch)
+        if m == 0:
+            self.last_run = {"mode": "none", "reason": "m = 0", "gpu_ms": 0.0}
+            return np.zeros((0, self.H), np.float32)
+        from ..sched.launch import run_forward  # the persistent/split decision and the fallback
+
+        return run_forward(self, mode, np.ascontiguousarray(hidden), np.ascontiguousarray(expert_ids, np.int32),
+                           np.ascontiguousarray(expert_weights, np.float32), m, top_k)
+
+    def _io_for(self, m, top_k):
+        key = (m, top_k)
+        if key not in self._io:
+            mem = self.device.memory
+            self._io[key] = (mem.allocate(m * self.H * 2), mem.allocate(m * top_k * 4), mem.allocate(m * top_k * 4),
+                             mem.allocate(m * self.H * 4))
+        return self._io[key]
+
+    def run_split(self, hidden, ids, weights, m, top_k):
+        """Upload, record the split path (output poisoned first), submit, wait; returns (out, gpu_ms)."""
+        hb, ib, wb, ob = self._io_for(m, top_k)
+        hb.upload(hidden)
+        ib.upload(ids)
+        wb.upload(weights)
+        scratch = self._scratch_for(m, top_k)
+        with CommandRecorder(self.device, timestamps=2) as rec:
+            rec.begin()
+            rec.fill(ob, POISON_F32)
+            rec.barrier()
+            rec.timestamp()
+            self._record_split(rec, scratch, self._bindings(scratch, hb, ib, wb, ob))
+            rec.timestamp()
+            rec.end()
+            rec.submit(wait=True)
+            gpu_ms = rec.elapsed_ms()
+        return ob.download(np.float32, (m, self.H)), gpu_ms, scratch.plan
+
+    def forward_sorted(self, hidden, expert_count, token_sorted, weight_sorted, dispatch=None):
+        """exllamav3's kernel inputs: expert_count (E or E+1 entries; the last one, the sentinel, is ignored
+        when E+1), token_sorted (token index per routed pair, grouped by expert), weight_sorted (matching
+        routing weights). Rebuilt into per-token (ids, weights) and run as __call__."""
+        expert_count = np.asarray(expert_count).astype(np.int64).reshape(-1)
+        token_sorted = np.asarray(token_sorted).astype(np.int64).reshape(-1)
+        weight_sorted = np.asarray(weight_sorted).astype(np.float32).reshape(-1)
+        if expert_count.shape[0] not in (self.E, self.E + 1):
+            raise ValueError(f"expert_count must have {self.E} or {self.E + 1} entries, got {expert_count.shape[0]}")
+        if (expert_count < 0).any():
+            raise ValueError("expert_count has negative entries")
+        total = int(expert_count[:self.E].sum())
+        if token_sorted.shape[0] < total or weight_sorted.shape[0] != token_sorted.shape[0]:
+            raise ValueError(f"token_sorted and weight_sorted need >= {total} matching entries, got "
+                             f"{token_sorted.shape[0]} and {weight_sorted.shape[0]}")
+        m = hidden.shape[0] if isinstance(hidden, np.ndarray) and hidden.ndim == 2 else -1
+        if m < 0:
+            raise ValueError("hidden must be a (m, H) float16 array")
+        if total and (token_sorted[:total].min() < 0 or token_sorted[:total].max() >= m):
+            raise ValueError(f"token_sorted entries must lie in [0, {m})")
+        experts = np.repeat(np.arange(self.E), expert_count[:self.E])
+        per_token = np.bincount(token_sorted[:total], minlength=m)
+        top_k = max(1, int(per_token.max()) if m else 1)
+        ids = np.full((m, top_k), -1, np.int64)
+        weights = np.zeros((m, top_k), np.float32)
+        fill = np.zeros(m, np.int64)
+        for e, t, w in zip(experts, token_sorted[:total], weight_sorted[:total]):
+            ids[t, fill[t]] = e
+            weights[t, fill[t]] = w
+            fill[t] += 1
+        # Tokens with fewer pairs than top_k keep id -1 there: skipped on the device like exllamav3's sentinel.
+        return self._call_with_skips(hidden, ids, weights, dispatch)
+
+    def _call_with_skips(self, hidden, ids, weights, dispatch):
+        m, top_k = ids.shape
+        if hidden.dtype != np.float16 or hidden.shape[1] != self.H:
+            raise ValueError(f"hidden must be (m, {self.H}) float16")
+        if m == 0:
+            return np.zeros((0, self.H), np.float32)
+        from ..sched.launch import run_forward
+
+        mode = self.dispatch if dispatch is None else parse_dispatch(dispatch)
+        return run_forward(self, mode, np.ascontiguousarray(hidden), ids.astype(np.int32), weights, m, top_k)
+
+    def close(self):
+        for s in self._scratch.values():
+            s.close()
+        for bufs in self._io.values():
+            for b in bufs:
+                b.close()
+        projections = {id(p): p for p in (self._gate, self._up, self._down)}
+        for p in projections.values():
+            p.close()
+        self._scratch, self._io = {}, {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,484 @@
+"""probe_residency: may this device run vkmoe's persistent kernel, and with how many workgroups?
+
+Vulkan guarantees neither that workgroups of one dispatch run concurrently nor that a spinning workgroup lets
+another one progress, so the persistent path is only safe with a grid whose workgroups are all resident at once.
+The probe measures that number per pipeline variant, in the kernel (vendor counts are hints), then checks the
+group barrier and cross-workgroup message passing at that grid, and gives a verdict that the launch plan reads
+from the residency cache.
+
+Every wait is bounded twice: inside the shaders by iteration counts (kept well under lavapipe 22.3's silent
+65,535-iteration loop cap), and on the host by CommandRecorder.submit(timeout=...).
+"""
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from ..vk import CommandRecorder, Pipeline, PushConstants
+from ..vk.errors import VkmoeError
+from . import residency
+
+DEFAULT_WORKGROUP_SIZE = 256
+BASE_SHARED_BYTES = 16 << 10  # all that Vulkan guarantees
+SYNC_SHARED_BYTES = 16        # what sync.glsl declares (a bool, padded): kept out of the variant's pad array
+MAX_LAUNCH = 4096
+SLOT_WORDS = 16
+HOST_TIMEOUT_S = 20.0
+LITMUS_WORKGROUP_SIZE = 64
+UNCAPPED_BUDGET = 0xFFFFFFFF
+
+
+class _ResidencyPush(PushConstants):
+    fields = [("slot", "<u4"), ("launched", "<u4"), ("open_iters", "<u4"), ("wait_iters", "<u4"),
+              ("lock_iters", "<u4"), ("budget", "<u4")]
+
+
+class _BarrierPush(PushConstants):
+    fields = [("rounds", "<u4"), ("spin_iters", "<u4"), ("budget", "<u4")]
+
+
+class _LitmusPush(PushConstants):
+    fields = [("rounds", "<u4"), ("spin_iters", "<u4"), ("budget", "<u4"), ("pairs", "<u4")]
+
+
+# Word offsets of probe_residency.comp's per-repeat slot.
+_W_PARTICIPANTS, _W_LATE, _W_TIMEOUTS, _W_ARRIVED, _W_ABORT, _W_OPENER_SPENT, _W_OPENER_HIT, _W_JOINER_SPENT = 3, 4, 5, 6, 7, 8, 9, 11
+
+
+class _Progress:
+    """A one-line progress bar on stderr (plain lines when stderr is not a terminal)."""
+
+    def __init__(self, enabled, total):
+        self.enabled, self.total, self.done = enabled, max(1, total), 0
+        self.tty = enabled and sys.stderr.isatty()
+        self.t0 = time.monotonic()
+
+    def step(self, what):
+        if not self.enabled:
+            return
+        self.done = min(self.total, self.done + 1)
+        width = 24
+        fill = width * self.done // self.total
+        line = f"probe [{'#' * fill}{'.' * (width - fill)}] {self.done}/{self.total} {what}"
+        if self.tty:
+            sys.stderr.write("\r\x1b[K" + line)
+        else:
+            sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+    def close(self):
+        if self.enabled and self.tty:
+            sys.stderr.write(f"\r\x1b[Kprobe done in {time.monotonic() - self.t0:.1f} s\n")
+            sys.stderr.flush()
+
+
+def default_variants(device):
+    """Workgroup size 256 with 16 KiB of shared memory, and with the device maximum when that is larger."""
+    variants = [(DEFAULT_WORKGROUP_SIZE, BASE_SHARED_BYTES)]
+    max_shared = int(device.limits.maxComputeSharedMemorySize)
+    if max_shared > BASE_SHARED_BYTES:
+        variants.append((DEFAULT_WORKGROUP_SIZE, max_shared))
+    return variants
+
+
+class _Budget:
+    """Iteration bounds for the shaders. With a loop cap every invocation's total stays below it; without one
+    the bounds come from the calibrated time per spin iteration."""
+
+    def __init__(self, cap, ns_per_iter, is_cpu):
+        self.cap = cap
+        self.ns_per_iter = max(ns_per_iter, 1e-3)
+        # A CPU driver may run more worker threads than cores: a waiting thread needs the OS to schedule it,
+        # which takes a time slice or two (several ms), so its poll stays open longer.
+        open_ms = 40.0 if is_cpu else 5.0
+        if cap:
+            self.budget = max(1024, cap - 4096)  # margin for the loops around the spins
+            self.lock_iters = min(2000, self.budget // 16)
+            self.open_iters = max(64, min(self._iters(open_ms), (self.budget - 2 * self.lock_iters) // 3))
+            self.wait_iters = self.budget - self.lock_iters
+            self.spin_iters = self.budget  # a barrier wait may use whatever the invocation has left
+        else:
+            self.budget = UNCAPPED_BUDGET
+            self.lock_iters = max(1000, self._iters(200.0))
+            self.open_iters = max(64, self._iters(open_ms))
+            self.wait_iters = 4 * self.open_iters + self.lock_iters
+            self.spin_iters = max(1000, self._iters(500.0))
+        for name in ("lock_iters", "open_iters", "wait_iters", "spin_iters"):
+            setattr(self, name, int(min(getattr(self, name), 0x7FFFFFFF)))
+
+    def _iters(self, ms):
+        return int(ms * 1e6 / self.ns_per_iter)
+
+    def as_dict(self):
+        return {"loop_cap": self.cap, "ns_per_iter": round(self.ns_per_iter, 2), "budget": self.budget,
+                "open_iters": self.open_iters, "wait_iters": self.wait_iters, "lock_iters": self.lock_iters,
+                "spin_iters": self.spin_iters}
+
+
+def _run(device, rec, timeout):
+    rec.submit(wait=True, timeout=timeout)
+    return rec.timestamps_ms()
+
+
+def _calibrate(device, pipe, buf):
+    """Nanoseconds per spin-loop iteration of one workgroup (timestamps, difference of two lengths)."""
+    dset = pipe.bind(buf)
+    lengths = (200, 1000)
+    with CommandRecorder(device, timestamps=4) as rec:
+        # Warm-up: some drivers (llvmpipe) compile the shader at its first dispatch, which must not be timed.
+        rec.begin()
+        rec.fill(buf, 0)
+        rec.barrier()
+        rec.dispatch(pipe, dset, 1, pipe.push(slot=0, launched=2, open_iters=1, wait_iters=1, lock_iters=10,
+                                              budget=100))
+        rec.end()
+        _run(device, rec, HOST_TIMEOUT_S)
+        rec.begin()
+        rec.fill(buf, 0)
+        rec.barrier()
+        for slot, n in enumerate(lengths):
+            t = rec.timestamp()
+            # launched=2 with one workgroup: the opener never sees everyone, so it spins the full window.
+            rec.dispatch(pipe, dset, 1, pipe.push(slot=slot, launched=2, open_iters=n, wait_iters=n,
+                                                  lock_iters=1000, budget=60000))
+            rec.barrier()
+        rec.timestamp()
+        rec.end()
+        stamps = _run(device, rec, HOST_TIMEOUT_S)
+    dset.free()
+    times = [stamps[1] - stamps[0], stamps[2] - stamps[1]]
+    ns = (times[1] - times[0]) * 1e6 / (lengths[1] - lengths[0])
+    if ns <= 0:  # timer too coarse: use the longer run alone
+        ns = times[1] * 1e6 / lengths[1]
+    return max(ns, 1e-3)
+
+
+def _residency_pipeline(device, wg, shared_bytes):
+    words = max(16, (shared_bytes - SYNC_SHARED_BYTES) // 4)
+    return Pipeline(device, "probe_residency", push=_ResidencyPush, spec={0: wg, 1: words})
+
+
+def _measure_co_resident(device, pipe, budget, repeats, launched, timeout):
+    buf = device.memory.allocate(4 * SLOT_WORDS * repeats, host_visible=True)
+    try:
+        dset = pipe.bind(buf)
+        with CommandRecorder(device) as rec:
+            rec.begin()
+            rec.fill(buf, 0)
+            rec.barrier()
+            for slot in range(repeats):
+                rec.dispatch(pipe, dset, launched, pipe.push(slot=slot, launched=launched,
+                                                             open_iters=budget.open_iters,
+                                                             wait_iters=budget.wait_iters,
+                                                             lock_iters=budget.lock_iters, budget=budget.budget))
+                rec.barrier()
+            rec.host_barrier()
+            rec.end()
+            t0 = time.monotonic()
+            rec.submit(wait=True, timeout=timeout)
+            wall = time.monotonic() - t0
+        dset.free()
+        w = buf.array(np.uint32).reshape(repeats, SLOT_WORDS).copy()
+    finally:
+        buf.close()
+    runs = []
+    for slot in range(repeats):
+        runs.append({
+            "participants": int(w[slot, _W_PARTICIPANTS]), "late": int(w[slot, _W_LATE]),
+            "timeouts": int(w[slot, _W_TIMEOUTS]), "arrived": int(w[slot, _W_ARRIVED]),
+            "abort": int(w[slot, _W_ABORT]), "opener_iters": int(w[slot, _W_OPENER_SPENT]),
+            "all_joined": bool(w[slot, _W_OPENER_HIT]), "joiner_iters": int(w[slot, _W_JOINER_SPENT]),
+        })
+    # A repeat with a timed-out joiner (or an abort) may have let a second workgroup join in the same slot, so
+    # it could overcount: only clean repeats count.
+    clean = [r["participants"] for r in runs if r["timeouts"] == 0 and r["abort"] == 0
+             and r["arrived"] == launched]
+    return {
+        "min": min(clean) if clean else 0,
+        "median": int(statistics.median_low(clean)) if clean else 0,
+        "samples": clean,
+        "launched": launched,
+        "saturated": bool(clean) and max(clean) >= launched,  # every launched workgroup joined: a lower bound
+        "discarded": len(runs) - len(clean),
+        "runs": runs,
+        "wall_s": round(wall, 3),
+    }
+
+
+def _barrier_check(device, grid, rounds, budget, timeout, reps=3):
+    pipe = Pipeline(device, "probe_barrier", push=_BarrierPush, spec={0: DEFAULT_WORKGROUP_SIZE})
+    # One small buffer per dispatch: the shader's word indices are fixed and barrier words must start at 0.
+    # Slots 2*rep (0 rounds) and 2*rep + 1 (R rounds), then one for the empty dispatches.
+    nslots = 2 * reps + 1
+    empty_dispatches = 50
+    slots = []
+    try:
+        slots = [device.memory.allocate(4 * SLOT_WORDS, host_visible=True) for _ in range(nslots)]
+        sets = [pipe.bind(s) for s in slots]
+        with CommandRecorder(device, timestamps=3 * reps + 2) as rec:
+            rec.begin()
+            for s in slots:
+                rec.fill(s, 0)
+            rec.barrier()
+            # (0 rounds, R rounds) pairs: the difference is the cost of R barriers at this grid.
+            for rep in range(reps):
+                for k, r in enumerate((0, rounds)):
+                    rec.timestamp()
+                    rec.dispatch(pipe, sets[2 * rep + k], grid,
+                                 pipe.push(rounds=r, spin_iters=budget.spin_iters, budget=budget.budget))
+                    rec.barrier()
+                rec.timestamp()
+            rec.timestamp()
+            for _ in range(empty_dispatches):
+                rec.dispatch(pipe, sets[-1], grid, pipe.push(rounds=0, spin_iters=1, budget=budget.budget))
+                rec.barrier()
+            rec.timestamp()
+            rec.host_barrier()
+            rec.end()
+            stamps = _run(device, rec, timeout)
+        for d in sets:
+            d.free()
+        w = np.stack([s.array(np.uint32).copy() for s in slots])
+    finally:
+        for s in slots:
+            s.close()
+        pipe.close()
+    per_barrier = []
+    for rep in range(reps):
+        t0, t1, t2 = stamps[3 * rep:3 * rep + 3]
+        per_barrier.append(((t2 - t1) - (t1 - t0)) * 1e3 / rounds)
+    dispatch_us = (stamps[-1] - stamps[-2]) * 1e3 / empty_dispatches
+    timed = w[1:2 * reps:2]  # the R-round slots
+    return {
+        "grid": grid,
+        "rounds": rounds,
+        "timeouts": int(timed[:, 3].sum()),
+        "violations": int(timed[:, 5].sum()),
+        "completed": [int(x) for x in timed[:, 6]],
+        "abort": int(timed[:, 2].max()),
+        "barrier_us": round(max(0.0, statistics.median(per_barrier)), 3),
+        "dispatch_us": round(dispatch_us, 3),
+    }
+
+
+def _litmus(device, grid, budget, timeout, rounds=256):
+    pairs = grid // 2
+    if pairs == 0:
+        return {"grid": grid, "pairs": 0, "violations": None, "skipped": "needs 2 co-resident workgroups"}
+    pipe = Pipeline(device, "probe_litmus", push=_LitmusPush, spec={0: LITMUS_WORKGROUP_SIZE})
+    buf = device.memory.allocate(4 * (16 + pairs * rounds * 16), host_visible=True)
+    try:
+        dset = pipe.bind(buf)
+        with CommandRecorder(device) as rec:
+            rec.begin()
+            rec.fill(buf, 0)
+            rec.barrier()
+            rec.dispatch(pipe, dset, grid, pipe.push(rounds=rounds, spin_iters=budget.spin_iters,
+                                                     budget=budget.budget, pairs=pairs))
+            rec.host_barrier()
+            rec.end()
+            _run(device, rec, timeout)
+        dset.free()
+        w = buf.array(np.uint32).copy()
+    finally:
+        buf.close()
+        pipe.close()
+    checked = int(w[3])
+    return {"grid": grid, "pairs": pairs, "rounds": rounds, "violations": int(w[1]), "timeouts": int(w[2]),
+            "checked": checked, "complete": checked == pairs * rounds * 8, "abort": int(w[0])}
+
+
+def _verdict(variant, cu, force_fail):
+    co = variant["co_resident"]
+    measured = co["min"]
+    grid = min(measured, cu) if cu else measured
+    reasons = []
+    if measured < 1:
+        reasons.append("no co-resident workgroup could be measured")
+    bar, lit = variant.get("barrier"), variant.get("litmus")
+    if bar is not None:
+        if bar["timeouts"]:
+            reasons.append(f"{bar['timeouts']} spin-barrier timeout(s) at grid {bar['grid']}")
+        if bar["violations"]:
+            reasons.append(f"{bar['violations']} spin-barrier violation(s)")
+    if lit is not None and lit.get("violations"):
+        reasons.append(f"{lit['violations']} message-passing violation(s)")
+    if lit is not None and lit.get("timeouts"):
+        reasons.append(f"{lit['timeouts']} message-passing timeout(s)")
+    if force_fail:
+        need = co["launched"] + 1
+        reasons.append(f"--force-fail: requires {need} co-resident workgroups, more than were launched")
+    if reasons:
+        return {"persistent": False, "reason": "; ".join(reasons), "grid": grid}
+    basis = f"{measured} co-resident (min of {len(co['samples'])})"
+    if co.get("saturated"):
+        basis += f", all {co['launched']} launched joined: a lower bound"
+    if cu and measured > cu:
+        basis += f", capped at {cu} compute units"
+    why = f"{basis}; 0 barrier timeouts"
+    why += ", 0 litmus violations" if lit and lit.get("violations") == 0 else ", litmus not applicable (grid 1)"
+    return {"persistent": True, "reason": why, "grid": grid}
+
+
+def _check_variants(dev, variants, pipes, budget, repeats, launched, rounds, cu, timeout, force_fail, bar):
+    out_variants, checks = [], {}
+    for (wg, smem), pipe in zip(variants, pipes):
+        co = _measure_co_resident(dev, pipe, budget, repeats, launched, timeout)
+        bar.step(f"co-resident wg{wg}/{smem // 1024} KiB: {co['min']}")
+        grid = min(co["min"], cu) if cu else co["min"]
+        v = {"workgroup_size": wg, "shared_bytes": smem, "co_resident": co}
+        if grid >= 1:
+            # Barrier and litmus do not depend on the variant's shared memory: run once per grid.
+            if grid not in checks:
+                b = _barrier_check(dev, grid, rounds, budget, timeout)
+                bar.step(f"barrier at grid {grid}: {b['barrier_us']:.1f} us")
+                lit = _litmus(dev, grid, budget, timeout)
+                bar.step(f"litmus at grid {grid}: {lit['violations']} violations")
+                checks[grid] = (b, lit)
+            else:
+                bar.step("barrier (same grid)")
+                bar.step("litmus (same grid)")
+            v["barrier"], v["litmus"] = checks[grid]
+            v["barrier_us"] = v["barrier"]["barrier_us"]
+            v["litmus_violations"] = v["litmus"]["violations"]
+        else:
+            v["barrier"] = v["litmus"] = None
+            v["barrier_us"] = v["litmus_violations"] = None
+            bar.step("barrier skipped")
+            bar.step("litmus skipped")
+        v["verdict"] = _verdict(v, cu, force_fail)
+        out_variants.append(v)
+    return out_variants
+
+
+def probe_residency(device=None, variants=None, progress=True, repeats=5, rounds=200, store=True,
+                    force_fail=False, timeout=HOST_TIMEOUT_S):
+    """Measure co-residency per variant, check the spin barrier and message passing at the planned grid, and
+    return the report (`format_report` prints it). `variants`: [(workgroup_size, shared_bytes), ...].
+    `store`: write the result to the residency cache (never done with `force_fail`, a test hook that makes
+    the verdict fail by requiring more co-resident workgroups than were launched)."""
+    from ..vk import Device
+
+    own = device is None
+    dev = Device() if own else device
+    t_start = time.monotonic()
+    try:
+        variants = [tuple(int(x) for x in v) for v in (variants or default_variants(dev))]
+        max_shared = int(dev.limits.maxComputeSharedMemorySize)
+        max_wg = int(dev.limits.maxComputeWorkGroupInvocations)
+        for wg, smem in variants:
+            if not 1 <= wg <= max_wg:
+                raise VkmoeError(f"variant workgroup size {wg} is outside 1..{max_wg} on {dev.name}")
+            if not SYNC_SHARED_BYTES + 64 <= smem <= max_shared:
+                raise VkmoeError(f"variant shared memory {smem} B is outside {SYNC_SHARED_BYTES + 64}..{max_shared}")
+        bar = _Progress(progress, 2 + 3 * len(variants))
+        info = dev.info()
+        quirks = dict(info["quirks"])
+        cap = quirks.get("loop_iteration_cap")
+        bar.step("device + quirks")
+        cu = dev.compute_units
+        launched = min(MAX_LAUNCH, max(64, 4 * (cu or 16)), int(dev.limits.maxComputeWorkGroupCount[0]))
+        pipes = [_residency_pipeline(dev, wg, smem) for wg, smem in variants]
+        try:
+            cal_buf = dev.memory.allocate(4 * SLOT_WORDS * 2, host_visible=True)
+            try:
+                ns = _calibrate(dev, pipes[0], cal_buf)
+            finally:
+                cal_buf.close()
+            budget = _Budget(cap, ns, dev.device_type == "cpu")
+            bar.step("calibrated spin")
+            out_variants = _check_variants(dev, variants, pipes, budget, repeats, launched, rounds, cu, timeout,
+                                           force_fail, bar)
+        finally:
+            for p in pipes:
+                p.close()
+        bar.close()
+        first = out_variants[0]
+        ok = all(v["verdict"]["persistent"] for v in out_variants)
+        bad = [f"wg{v['workgroup_size']}/{v['shared_bytes']} B: {v['verdict']['reason']}"
+               for v in out_variants if not v["verdict"]["persistent"]]
+        verdict = {
+            "persistent": ok,
+            "reason": first["verdict"]["reason"] if ok else "; ".join(bad),
+            "grid": min(v["verdict"]["grid"] for v in out_variants),
+        }
+        seen, all_checks = set(), []
+        for v in out_variants:  # each (barrier, litmus) pair once
+            if v["barrier"] is not None and id(v["barrier"]) not in seen:
+                seen.add(id(v["barrier"]))
+                all_checks.append((v["barrier"], v["litmus"]))
+        violations = [lit["violations"] for _, lit in all_checks if lit.get("violations") is not None]
+        report = {
+            "device": info,
+            "variants": out_variants,
+            "quirks": quirks,
+            "barrier_us": first.get("barrier_us"),
+            "dispatch_us": all_checks[0][0]["dispatch_us"] if all_checks else None,
+            "barrier_timeouts": sum(b["timeouts"] for b, _ in all_checks),
+            "litmus_violations": sum(violations) if violations else None,
+            "verdict": verdict,
+            "spin": budget.as_dict(),
+            "forced_fail": bool(force_fail),
+            "elapsed_s": round(time.monotonic() - t_start, 2),
+            "cache": None,
+        }
+        if store and not force_fail:
+            report["cache"] = residency.store(dev, report)
+        return report
+    finally:
+        if own:
+            dev.close()
+
+
+def format_report(report):
+    """The human-readable report (what `python -m vkmoe probe` prints without --json)."""
+    from ..__main__ import format_info
+
+    lines = [format_info(report["device"]), "", "Co-resident workgroups (measured in the kernel):"]
+    cu = report["device"].get("compute_units")
+    for v in report["variants"]:
+        co = v["co_resident"]
+        extra = " (every launched workgroup joined: a lower bound)" if co.get("saturated") else ""
+        lines.append(f"  wg {v['workgroup_size']:4d}, shared {v['shared_bytes'] // 1024:3d} KiB: min {co['min']}, "
+                     f"median {co['median']} of {co['samples']}, launched {co['launched']}{extra}"
+                     + (f", {co['discarded']} repeat(s) discarded" if co.get("discarded") else ""))
+    lines.append(f"  compute units: {cu} ({report['device'].get('compute_units_source')})")
+    lines.append("")
+    seen = set()
+    for v in report["variants"]:
+        b, lit = v.get("barrier"), v.get("litmus")
+        if b is None or b["grid"] in seen:
+            continue
+        seen.add(b["grid"])
+        lines.append(f"Spin barrier at grid {b['grid']}: {b['rounds']} rounds x 3, {b['timeouts']} timeouts, "
+                     f"{b['violations']} violations, {b['barrier_us']:.2f} us per barrier "
+                     f"(dispatch + pipeline barrier: {b['dispatch_us']:.2f} us)")
+        if lit.get("violations") is None:
+            lines.append(f"Message-passing litmus: skipped ({lit.get('skipped')})")
+        else:
+            lines.append(f"Message-passing litmus at grid {lit['grid']} ({lit['pairs']} pair(s) x {lit['rounds']} "
+                         f"rounds, queue-family scope, atomics hammering the same lines): {lit['violations']} "
+                         f"violations, {lit['timeouts']} timeouts, {lit['checked']} words checked")
+    lines.append("")
+    q = report["quirks"]
+    cap = q.get("loop_iteration_cap")
+    lines.append("Quirks: loop iteration cap " + (f"{cap} (loops silently end; spins bounded below it)"
+                                                   if cap else "none"))
+    for k, val in q.items():
+        if k != "loop_iteration_cap":
+            lines.append(f"  {k}: {val}")
+    s = report["spin"]
+    lines.append(f"Spin bounds: {s['ns_per_iter']} ns/iteration, poll window {s['open_iters']} iterations, "
+                 f"per-invocation budget {s['budget']}")
+    lines.append("")
+    vd = report["verdict"]
+    lines.append(f"Verdict: persistent {'ALLOWED' if vd['persistent'] else 'NOT allowed (use split dispatches)'}, "
+                 f"grid {vd['grid']} workgroup(s)")
+    lines.append(f"  because: {vd['reason']}")
+    if report.get("forced_fail"):
+        lines.append("  (--force-fail was given: not cached)")
+    elif report.get("cache"):
+        lines.append(f"  cached in {report['cache']}")
+    lines.append(f"Probe time: {report['elapsed_s']} s")
+    return "\n".join(lines)
