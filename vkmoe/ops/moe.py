@@ -65,7 +65,7 @@ class _Projection:
     """All experts of one projection on the device: trellis words back to back, suh (E, k), svh (E, n)."""
 
     def __init__(self, device, tensors):
-        self.bits, self.k, self.n = tensors[0].bits, tensors[0].k, tensors[0].n
+        self.bits, self.k, self.n, self.E = tensors[0].bits, tensors[0].k, tensors[0].n, len(tensors)
         mem = device.memory
         trellis_bytes = sum(t.trellis.nbytes for t in tensors)
         self.trellis = mem.allocate(trellis_bytes)
@@ -148,18 +148,37 @@ class Exl3MoeMlp:
         if not np.isfinite(self.act_limit) or self.act_limit < 0:
             raise ValueError(f"act_limit must be finite and >= 0 (0 = no clamp), got {act_limit!r}")
         self.dispatch = parse_dispatch(dispatch)
-        self.device = device
-        self.E, self.H, self.I = E, H, I
-        self.codebook = codebooks.pop()
-        self.bits = {"gate": gate[0].bits if gate else 0, "up": up[0].bits, "down": down[0].bits}
         limit = device.limits.maxStorageBufferRange
         for name, group in (("gate", gate), ("up", up), ("down", down)):
             if group is not None and sum(t.trellis.nbytes for t in group) > limit:
                 raise ValueError(f"the {name} trellises of all experts need {sum(t.trellis.nbytes for t in group)} "
                                  f"bytes, more than this device's maxStorageBufferRange ({limit})")
-        self._up = _Projection(device, up)
-        self._down = _Projection(device, down)
-        self._gate = _Projection(device, gate) if gate is not None else self._up  # gateless: bound, never read
+        self._setup(device, codebooks.pop(), E, H, I,
+                    _Projection(device, gate) if gate is not None else None,
+                    _Projection(device, up), _Projection(device, down))
+
+    @classmethod
+    def from_projections(cls, device, codebook, gate, up, down, activation="silu", act_limit=0.0, dispatch=None):
+        """Build from projections already on the device (objects with bits, k, n, E, buffers = (trellis, suh,
+        svh) and close(); see _Projection). For tools that fill weights on the device (benchmarks)."""
+        self = cls.__new__(cls)
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+        self.activation, self.gated = activation, activation != "relu2"
+        if self.gated != (gate is not None):
+            raise ValueError("gate projections are required exactly when the activation is gated")
+        self.act_limit = float(act_limit)
+        self.dispatch = parse_dispatch(dispatch)
+        self._setup(device, codebook, up.E, up.k, up.n, gate, up, down)
+        return self
+
+    def _setup(self, device, codebook, E, H, I, gate, up, down):
+        self.device = device
+        self.E, self.H, self.I = E, H, I
+        self.codebook = codebook
+        self.bits = {"gate": gate.bits if gate is not None else 0, "up": up.bits, "down": down.bits}
+        self._up, self._down = up, down
+        self._gate = gate if gate is not None else up  # gateless: bound, never read
         self._scratch = {}
         self._io = {}
         self.last_run = None
