@@ -9,8 +9,6 @@ layout(constant_id = 2) const int K_DOWN = 4;
 layout(constant_id = 3) const int CB = 2;          // codebook of all three projections (CB_* in exl3_decode)
 layout(constant_id = 4) const int GEMM_ROWS = 4;   // rows per GEMM pass = rows per expert chunk
 layout(constant_id = 5) const int ACT = 0;         // ACT_* below
-layout(constant_id = 7) const uint SPIN_LIMIT = 65536u;  // persistent kernel: iterations of one barrier spin
-layout(constant_id = 8) const uint LOOP_BUDGET = 0xFFFFFFFFu;  // persistent: total spin iterations allowed
 
 #define ACT_SILU 0
 #define ACT_GELU 1
@@ -50,6 +48,8 @@ layout(push_constant) uniform MoePush {
     uint splits_d, kt_d;     // down GEMM: k-splits over I
     float act_limit;
     uint num_workgroups;     // persistent kernel: workgroups launched
+    uint spin_limit;         // persistent kernel: iterations of one barrier spin before it gives up
+    uint loop_budget;        // persistent kernel: spin iterations allowed in total (below a driver loop cap)
 } pc;
 
 // Layout of the sync buffer (words). Counters reset themselves; the host zero-fills once at creation and

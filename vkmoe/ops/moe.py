@@ -25,7 +25,7 @@ MAX_EXPERTS = 1024       # routing counters live in shared memory (2 x 4 bytes p
 class MoePush(PushConstants):
     fields = [("m", "<u4"), ("top_k", "<u4"), ("E", "<u4"), ("H", "<u4"), ("I", "<u4"), ("max_chunks", "<u4"),
               ("splits_gu", "<u4"), ("kt_gu", "<u4"), ("splits_d", "<u4"), ("kt_d", "<u4"),
-              ("act_limit", "<f4"), ("num_workgroups", "<u4")]
+              ("act_limit", "<f4"), ("num_workgroups", "<u4"), ("spin_limit", "<u4"), ("loop_budget", "<u4")]
 
 
 def _check_experts(name, tensors, k, n, allow_none=False):
@@ -207,10 +207,11 @@ class Exl3MoeMlp:
             self._scratch[key] = _Scratch(self.device, plan, self.H, self.I)
         return self._scratch[key]
 
-    def _push(self, plan, workgroups=0):
+    def _push(self, plan, pplan=None):
         return MoePush(m=plan.m, top_k=plan.top_k, E=self.E, H=self.H, I=self.I, max_chunks=plan.max_chunks,
                        splits_gu=plan.splits_gu, kt_gu=plan.kt_gu, splits_d=plan.splits_d, kt_d=plan.kt_d,
-                       act_limit=self.act_limit, num_workgroups=workgroups)
+                       act_limit=self.act_limit, num_workgroups=pplan.workgroups if pplan else 0,
+                       spin_limit=pplan.spin_limit if pplan else 0, loop_budget=pplan.loop_budget if pplan else 0)
 
     def _bindings(self, scratch, hidden_buf, ids_buf, weights_buf, out_buf):
         g, u, d = self._gate, self._up, self._down
@@ -236,21 +237,49 @@ class Exl3MoeMlp:
         cmd.dispatch(down, down.bind(*buffers), ((self.H // 128) * plan.splits_d, plan.max_chunks), push)
         cmd.barrier()
 
-    def record(self, cmd, hidden_buf, ids_buf, weights_buf, out_buf, m, top_k):
+    def _record_persistent(self, cmd, scratch, buffers, pplan):
+        plan, dev = scratch.plan, self.device
+        pipe = kernels.pipeline(dev, "moe_persistent", MoePush, self._spec(plan), decode=True,
+                                binding_count=MOE_BINDINGS)
+        cmd.dispatch(pipe, pipe.bind(*buffers), pplan.workgroups, self._push(plan, pplan))
+        cmd.barrier()
+
+    def record(self, cmd, hidden_buf, ids_buf, weights_buf, out_buf, m, top_k, mode="split"):
         """Append the forward of m tokens to a recording CommandRecorder. hidden_buf: (m, H) fp16; ids_buf:
         (m, top_k) int32 (ids outside [0, E) are skipped); weights_buf: (m, top_k) float32; out_buf receives
-        (m, H) float32. Ends with a barrier. Records the split path (a recorded persistent launch could not
-        fall back on its own)."""
+        (m, H) float32. Ends with a barrier. Returns the GEMM plan.
+
+        mode "split" (default) is always safe. mode "persistent" records the single dispatch as the launch plan
+        allows it; a recorded launch cannot re-run itself, so check `aborted(m, top_k)` after the submission
+        (and call `reset_after_abort(m, top_k)` and re-run split if it says so). __call__ does all of that."""
         if m <= 0:
-            return
+            return None
         need = {"hidden_buf": m * self.H * 2, "ids_buf": m * top_k * 4, "weights_buf": m * top_k * 4,
                 "out_buf": m * self.H * 4}
         for name, buf in zip(need, (hidden_buf, ids_buf, weights_buf, out_buf)):
             if buf.size < need[name]:
                 raise ValueError(f"{name} holds {buf.size} bytes; m={m}, top_k={top_k} needs {need[name]}")
         scratch = self._scratch_for(m, top_k)
-        self._record_split(cmd, scratch, self._bindings(scratch, hidden_buf, ids_buf, weights_buf, out_buf))
+        buffers = self._bindings(scratch, hidden_buf, ids_buf, weights_buf, out_buf)
+        if mode == "split":
+            self._record_split(cmd, scratch, buffers)
+        elif mode == "persistent":
+            from ..sched.plan import persistent_plan
+
+            pplan = persistent_plan(self.device, scratch.plan, self.E, self.H, self.I, self.gated)
+            if not pplan.allowed:
+                raise ValueError(f"mode='persistent' is not possible here: {pplan.reason}")
+            self._record_persistent(cmd, scratch, buffers, pplan)
+        else:
+            raise ValueError(f"mode must be 'split' or 'persistent', got {mode!r}")
         return scratch.plan
+
+    def aborted(self, m, top_k):
+        """The abort code left by the last persistent launch for this batch shape (0 = none)."""
+        return int(self._scratch_for(m, top_k).sync.download(np.uint32, (1,))[0])
+
+    def reset_after_abort(self, m, top_k):
+        self._scratch_for(m, top_k).reset_sync()
 
     # ------------------------------------------------------------------------------------------ validation
     def _check_inputs(self, hidden, expert_ids, expert_weights):
@@ -306,8 +335,7 @@ class Exl3MoeMlp:
                              mem.allocate(m * self.H * 4))
         return self._io[key]
 
-    def run_split(self, hidden, ids, weights, m, top_k):
-        """Upload, record the split path (output poisoned first), submit, wait; returns (out, gpu_ms)."""
+    def _run(self, hidden, ids, weights, m, top_k, record_body):
         hb, ib, wb, ob = self._io_for(m, top_k)
         hb.upload(hidden)
         ib.upload(ids)
@@ -315,15 +343,27 @@ class Exl3MoeMlp:
         scratch = self._scratch_for(m, top_k)
         with CommandRecorder(self.device, timestamps=2) as rec:
             rec.begin()
-            rec.fill(ob, POISON_F32)
+            rec.fill(ob, POISON_F32)  # an element no stage writes stays NaN
             rec.barrier()
             rec.timestamp()
-            self._record_split(rec, scratch, self._bindings(scratch, hb, ib, wb, ob))
+            record_body(rec, scratch, self._bindings(scratch, hb, ib, wb, ob))
             rec.timestamp()
             rec.end()
             rec.submit(wait=True)
             gpu_ms = rec.elapsed_ms()
-        return ob.download(np.float32, (m, self.H)), gpu_ms, scratch.plan
+        return ob.download(np.float32, (m, self.H)), gpu_ms, scratch
+
+    def run_split(self, hidden, ids, weights, m, top_k):
+        """Upload, run the split path (output poisoned first), wait; returns (out, gpu_ms, plan)."""
+        out, gpu_ms, scratch = self._run(hidden, ids, weights, m, top_k, self._record_split)
+        return out, gpu_ms, scratch.plan
+
+    def run_persistent(self, hidden, ids, weights, m, top_k, pplan):
+        """Upload, run the persistent kernel, wait; returns (out, gpu_ms, abort code). A non-zero abort code
+        means the output is not valid (the caller re-runs split after resetting the sync area)."""
+        out, gpu_ms, scratch = self._run(hidden, ids, weights, m, top_k,
+                                         lambda rec, sc, bufs: self._record_persistent(rec, sc, bufs, pplan))
+        return out, gpu_ms, int(scratch.sync.download(np.uint32, (1,))[0])
 
     def forward_sorted(self, hidden, expert_count, token_sorted, weight_sorted, dispatch=None):
         """exllamav3's kernel inputs: expert_count (E or E+1 entries; the last one, the sentinel, is ignored

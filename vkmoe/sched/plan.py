@@ -1,0 +1,111 @@
+"""The persistent launch plan: how many workgroups one dispatch may have on THIS device, and whether to trust it.
+
+Sources, in order of trust: a probe measurement cached by `tools/probe_residency` for (driver, device, pipeline
+variant); the vendor's compute-unit count (VK_NV_shader_sm_builtins, VK_AMD_shader_core_properties2,
+VK_ARM_shader_core_builtins, or lavapipe's worker threads), one workgroup per compute unit; else nothing, and
+then auto mode does not use the persistent kernel. Drivers known to lack forward-progress guarantees between
+workgroups stay off in auto mode unless forced.
+"""
+import os
+from dataclasses import asdict, dataclass
+
+from . import residency
+
+# The persistent kernel: 256 invocations, < 16 KiB of shared memory (had_buf 2 KiB, gemm_red 8 KiB, routing
+# counters 3 KiB). The probe's 16 KiB variant bounds its occupancy from below, so its grid is safe for it.
+PERSISTENT_VARIANT = (256, 16384)
+PERSISTENT_MAX_EXPERTS = 256        # ROUTE_MAX_E in shaders/moe_persistent.comp
+SYNC_POLLS = 32                     # polls per spin iteration (shaders/moe_persistent.comp)
+DENY = ("moltenvk", "apple", "mali")  # default-deny: no forward progress guarantee observed/known
+
+
+@dataclass
+class PersistentPlan:
+    allowed: bool           # may the persistent kernel run (forced mode included)
+    trusted: bool           # may auto mode choose it
+    workgroups: int         # grid: groups x workgroups per group (vkmoe runs one group spanning the grid)
+    groups: int
+    source: str             # where the co-resident count came from
+    reason: str             # why (not) persistent
+    spin_limit: int         # iterations of one barrier spin before it gives up
+    loop_budget: int        # total spin iterations per invocation (below a driver loop cap)
+
+    def as_dict(self):
+        return asdict(self)
+
+
+def _co_resident(device):
+    """(workgroups, source, trusted) for the persistent kernel's variant."""
+    forced = os.environ.get("VKMOE_PERSISTENT_GRID")
+    if forced:
+        try:
+            n = int(forced)
+        except ValueError:
+            raise ValueError(f"VKMOE_PERSISTENT_GRID={forced!r}: expected a positive integer") from None
+        if n < 1:
+            raise ValueError(f"VKMOE_PERSISTENT_GRID={forced!r}: expected a positive integer")
+        return n, "VKMOE_PERSISTENT_GRID (forced; not checked against residency)", True
+    entry = residency.lookup(device, PERSISTENT_VARIANT)
+    if entry is not None:
+        if not entry.get("persistent"):
+            return 0, f"probe cache: {entry.get('reason')}", False
+        return int(entry["grid"]), f"probe cache ({entry.get('probed_at', '?')}): {entry.get('reason')}", True
+    if device.compute_units:
+        return int(device.compute_units), f"{device.compute_units_source}: one workgroup per compute unit", True
+    return 0, "no co-resident count for this device (run tools/probe_residency)", False
+
+
+def work_loop_iterations(moe_plan, E, H, I, gated):
+    """A generous bound on the loop iterations one invocation may spend on work items if it ended up doing all
+    of them (tickets are dynamic, so one workgroup can). Only matters on drivers with a loop cap."""
+    R = moe_plan.R
+    chunks = moe_plan.max_chunks
+    stage1 = (R * (H // 128) + 1) // 2 * 40
+    gate_up = chunks * (I // 128) * (2 if gated else 1) * moe_plan.splits_gu * (moe_plan.kt_gu // 4 + 80)
+    down = chunks * (H // 128) * moe_plan.splits_d * (moe_plan.kt_d // 4 + 80)
+    return 2000 + stage1 + gate_up + down
+
+
+def persistent_plan(device, moe_plan, E, H, I, gated):
+    workgroups, source, trusted = _co_resident(device)
+    name = f"{device.name} {device.driver_name}".lower()
+    cap = device.quirks.get("loop_iteration_cap")
+    spin_limit = 200_000 if device.device_type == "cpu" else 1 << 16
+    loop_budget = 0xFFFFFFFF
+
+    def plan(allowed, ok_auto, reason):
+        return PersistentPlan(allowed, ok_auto and allowed, max(workgroups, 0), 1, source, reason,
+                              spin_limit, loop_budget)
+
+    if E > PERSISTENT_MAX_EXPERTS:
+        return plan(False, False, f"{E} experts: the persistent kernel routes at most {PERSISTENT_MAX_EXPERTS}")
+    if workgroups < 1:
+        return plan(False, False, source)
+    if cap:
+        # Every loop iteration of an invocation counts against the cap, spins included: spins get what the
+        # work cannot use, with a margin.
+        work = work_loop_iterations(moe_plan, E, H, I, gated)
+        budget = int(cap * 0.9) - work
+        if budget < 3 * 256:
+            return plan(False, False, f"the driver ends loops after {cap} iterations and this batch's work may "
+                                      f"need {work}: the split path is used")
+        loop_budget = budget
+        spin_limit = budget
+    denied = next((d for d in DENY if d in name), None)
+    if denied:
+        return plan(True, False, f"{device.name}: persistent mode is off by default on {denied} drivers "
+                                 "(no forward-progress guarantee); VKMOE_DISPATCH=persistent forces it")
+    return plan(True, trusted, f"{workgroups} workgroups from {source}")
+
+
+def auto_prefers_persistent(device, m):
+    """Whether auto mode takes the persistent path for a batch of m tokens (when the plan allows it).
+    VKMOE_PERSISTENT_MAX_M overrides the measured switch point (see BENCHMARKS.md)."""
+    limit = os.environ.get("VKMOE_PERSISTENT_MAX_M")
+    if limit:
+        return m <= int(limit)
+    return m <= PERSISTENT_MAX_M_DEFAULT
+
+
+# Measured switch point: persistent wins up to this batch size (BENCHMARKS.md, H200 table).
+PERSISTENT_MAX_M_DEFAULT = 64
