@@ -3,10 +3,11 @@
     python -m vkmoe info [--json] [--device SEL]      the device report (Device().info())
     python -m vkmoe probe [--json] [--no-cache] [--force-fail] [--device SEL] [--repeats N]
                                                       may the persistent kernel run here, and on how many workgroups
-    python -m vkmoe demo [--device SEL]               (placeholder: prints the device report)
+    python -m vkmoe demo [--device SEL] [--experts E] [--tokens M] [--seed S]
+                                                      a random Qwen3-30B-A3B-shaped MoE layer vs the CPU tier
 
 Exit codes of `probe`: 0 = persistent mode allowed, 3 = use the split fallback, 2 = error (bad arguments, no such
-device, a Vulkan failure, a wait that timed out).
+device, a Vulkan failure, a wait that timed out). `demo`: 0 = PASS, 1 = FAIL, 2 = error.
 """
 import argparse
 import json
@@ -78,12 +79,14 @@ def cmd_probe(args):
 
 
 def cmd_demo(args):
-    # ---- DEMO: placeholder for the lead. Replace the body with the MoE demo (build a small EXL3 MoE layer, run it
-    # ---- persistent + split, compare with the reference, print timings). Until then it prints the device report.
-    with _open_device(args.device) as dev:
-        print(format_info(dev.info()))
-    print("\n(demo: not written yet; this is the device report)")
-    return EXIT_OK
+    # ---- DEMO: a random Qwen3-30B-A3B-shaped EXL3 MoE layer on the device, checked against the CPU tier
+    # ---- (vkmoe/demo.py). Exit 0 = PASS, 1 = FAIL (relative RMS error vs the CPU tier > 3e-3), 2 = error.
+    from .demo import run
+
+    if args.experts < 8 or args.tokens < 1:
+        print("vkmoe demo: --experts must be >= 8 (top-8) and --tokens >= 1", file=sys.stderr)
+        return EXIT_ERROR
+    return EXIT_OK if run(device=args.device, experts=args.experts, tokens=args.tokens, seed=args.seed) else 1
 
 
 def build_parser():
@@ -110,8 +113,14 @@ def build_parser():
     pp.add_argument("--quiet", action="store_true", help="no progress bar")
     pp.set_defaults(fn=cmd_probe)
 
-    pd = sub.add_parser("demo", help="(placeholder) run the MoE demo")
+    pd = sub.add_parser("demo", help="run a random Qwen3-30B-A3B-shaped MoE layer and check it against the CPU",
+                        description="Builds a random EXL3 MoE layer (hidden 2048, intermediate 768, top-8, 4-bit "
+                                    "mul1), runs it on the device (auto dispatch, or VKMOE_DISPATCH) and compares "
+                                    "with vkmoe.cpu. Exit: 0 PASS, 1 FAIL, 2 error.")
     pd.add_argument("--device", default=None, help=device_help)
+    pd.add_argument("--experts", type=int, default=16, help="number of experts (default 16; >= 8)")
+    pd.add_argument("--tokens", type=int, default=4, help="tokens in the batch (default 4)")
+    pd.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     pd.set_defaults(fn=cmd_demo)
     return p
 

@@ -50,6 +50,9 @@ uint valid_slots(uint t) {
 shared uint s_count[ROUTE_MAX_E];
 shared uint s_offset[ROUTE_MAX_E + 1];
 shared uint s_chunk0[ROUTE_MAX_E + 1];
+shared uint s_empty_tokens;
+shared uint s_scan_rows[WG_SIZE];   // per subgroup (at most WG_SIZE subgroups)
+shared uint s_scan_chunks[WG_SIZE];
 
 // One workgroup. Writes the chunk table, the sorted rows and each token's valid slot count, and zeroes the
 // output of tokens with no valid slot (nobody else writes those rows).
@@ -62,24 +65,39 @@ void moe_route() {
         if (valid_expert(e)) atomicAdd(s_count[e], 1u, gl_ScopeWorkgroup, gl_StorageSemanticsShared, gl_SemanticsRelaxed);
     }
     barrier();
-    // Prefix sums over experts, computed redundantly by every invocation (E is small) and stored by the owner
-    // of each entry. Not in a one-invocation branch: Mesa 22.3's lavapipe drops the rest of the shader after a
-    // loop inside `if (tid == 0)` that is followed by a barrier.
-    uint offset = 0u, chunk = 0u;
-    for (uint e = 0u; e < pc.E; ++e) {
-        uint n = s_count[e];
-        if (e % WG_SIZE == tid) {
-            s_offset[e] = offset;
-            s_chunk0[e] = chunk;
+    // Exclusive prefix sums of the row counts and chunk counts over experts, WG_SIZE experts at a time:
+    // subgroup scans, then the subgroup totals (loops with the same trip count in every invocation, see above).
+    uint carry_rows = 0u, carry_chunks = 0u;
+    for (uint base = 0u; base < pc.E; base += WG_SIZE) {
+        uint e = base + tid;
+        uint n = e < pc.E ? s_count[e] : 0u;
+        uint c = (n + uint(GEMM_ROWS) - 1u) / uint(GEMM_ROWS);
+        uint incl_n = subgroupInclusiveAdd(n), incl_c = subgroupInclusiveAdd(c);
+        if (gl_SubgroupInvocationID == gl_SubgroupSize - 1u) {
+            s_scan_rows[gl_SubgroupID] = incl_n;
+            s_scan_chunks[gl_SubgroupID] = incl_c;
         }
-        chunk += (n + uint(GEMM_ROWS) - 1u) / uint(GEMM_ROWS);
-        offset += n;
+        barrier();
+        uint before_n = 0u, before_c = 0u, total_n = 0u, total_c = 0u;
+        for (uint sg = 0u; sg < gl_NumSubgroups; ++sg) {
+            uint tn = s_scan_rows[sg], tc = s_scan_chunks[sg];
+            if (sg < gl_SubgroupID) { before_n += tn; before_c += tc; }
+            total_n += tn;
+            total_c += tc;
+        }
+        if (e < pc.E) {
+            s_offset[e] = carry_rows + before_n + incl_n - n;
+            s_chunk0[e] = carry_chunks + before_c + incl_c - c;
+        }
+        carry_rows += total_n;
+        carry_chunks += total_c;
+        barrier();
     }
     if (tid == 0u) {
-        s_offset[pc.E] = offset;
-        s_chunk0[pc.E] = chunk;
-        route[0] = offset;
-        route[1] = chunk;
+        s_offset[pc.E] = carry_rows;
+        s_chunk0[pc.E] = carry_chunks;
+        route[0] = carry_rows;
+        route[1] = carry_chunks;
     }
     barrier();
     for (uint e0 = 0u; e0 < pc.E; e0 += WG_SIZE) { uint e = e0 + tid; if (e < pc.E) s_count[e] = 0u; }  // reused as the scatter cursor
@@ -104,9 +122,25 @@ void moe_route() {
             route[route_row_expert(p)] = uint(e);
         }
     }
-    for (uint t0 = 0u; t0 < pc.m; t0 += WG_SIZE) { uint t = t0 + tid; if (t < pc.m) route[route_valid(t)] = valid_slots(t); }
-    // Tokens without a valid slot: their output is zero.
-    for (uint i0 = 0u; i0 < pc.m * pc.H; i0 += WG_SIZE) { uint i = i0 + tid; if (i < pc.m * pc.H) if (valid_slots(i / pc.H) == 0u) out_h[i] = 0.0; }
+    if (tid == 0u) s_empty_tokens = 0u;
+    barrier();
+    for (uint t0 = 0u; t0 < pc.m; t0 += WG_SIZE) {
+        uint t = t0 + tid;
+        if (t < pc.m) {
+            uint n = valid_slots(t);
+            route[route_valid(t)] = n;
+            if (n == 0u) atomicAdd(s_empty_tokens, 1u);
+        }
+    }
+    barrier();
+    // Tokens without a valid slot (possible only through record()) get a zero row; nobody else writes it. The
+    // whole-output sweep runs only then: it would cost more than the routing itself.
+    if (wg_uniform(s_empty_tokens) != 0u) {
+        for (uint i0 = 0u; i0 < pc.m * pc.H; i0 += WG_SIZE) {
+            uint i = i0 + tid;
+            if (i < pc.m * pc.H && valid_slots(i / pc.H) == 0u) out_h[i] = 0.0;
+        }
+    }
 }
 #endif
 
