@@ -1,5 +1,5 @@
 #version 450
-// vkmoe-variants: idot=-DEXL3_IDOT
+// vkmoe-variants: idot=-DEXL3_IDOT f16=-DEXL3_IDOT,-DEXL3_F16
 // EXL3 linear GEMM with fused output Hadamard: y = RN16(RN16(FWHT(xh · Ŵ) * r) * svh) (+ bias), spec section 6.
 // Grid: (bands = n / 128, k-splits, row chunks of GEMM_ROWS). Each workgroup writes its fp32 partial for its
 // band and k-split; the last of a band's k-splits to arrive (an atomic counter, no waiting) sums the partials
@@ -15,6 +15,8 @@ layout(constant_id = 3) const bool HAS_BIAS = false;
 
 layout(std430, binding = 0) readonly buffer XH { uint xh[]; };       // (m, k) fp16, input Hadamard applied
 layout(std430, binding = 1) readonly buffer Trellis { uint trellis[]; };
+layout(std430, binding = 0) readonly buffer XH4 { uvec4 xh4[]; };          // the same memory, 16 bytes at a time
+layout(std430, binding = 1) readonly buffer Trellis4 { uvec4 trellis4[]; };
 layout(std430, binding = 2) readonly buffer Svh { uint svh[]; };     // (n,) fp16
 layout(std430, binding = 3) readonly buffer Bias { uint bias[]; };   // (n,) fp16 (unused without HAS_BIAS)
 layout(std430, binding = 4) writeonly buffer Y { uint y[]; };        // (m, n) fp16
@@ -23,7 +25,9 @@ layout(std430, binding = 6) buffer Counters { uint counters[]; };    // one per 
 layout(push_constant) uniform Push { uint m; uint k; uint n; uint splits; uint kt_per_split; } pc;
 
 uint gemm_a_word(const int src, uint index) { return xh[index]; }
-uint gemm_b_word(const int src, uint index) { return trellis[index]; }
+uint gemm_b_word(int src, uint index) { return trellis[index]; }
+uvec4 gemm_a_word4(const int src, uint index) { return xh4[index]; }
+uvec4 gemm_b_word4(int src, uint index) { return trellis4[index]; }
 #include "exl3_decode.glsl"
 #include "hadamard128.glsl"
 #include "exl3_gemm.glsl"

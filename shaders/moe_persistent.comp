@@ -1,5 +1,5 @@
 #version 450
-// vkmoe-variants: idot=-DEXL3_IDOT
+// vkmoe-variants: idot=-DEXL3_IDOT f16=-DEXL3_IDOT,-DEXL3_F16
 // The persistent MoE kernel: ONE dispatch of at most the co-resident number of workgroups (the launch plan in
 // vkmoe/sched guarantees it) running every stage of moe_stages.glsl. Workgroups draw work items from a device
 // atomic ticket counter per phase (greedy load balance: no workgroup idles while items remain) and meet at a

@@ -6,6 +6,7 @@
 #extension GL_EXT_control_flow_attributes : require
 #extension GL_KHR_shader_subgroup_ballot : require
 #extension GL_KHR_shader_subgroup_arithmetic : require
+#extension GL_KHR_shader_subgroup_shuffle : require
 
 // A value the whole workgroup holds (read from a buffer or shared memory) made visibly uniform to the compiler.
 // Loops and branches that contain barriers must depend only on such values: Mesa 22.3's lavapipe miscompiles

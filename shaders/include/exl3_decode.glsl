@@ -75,4 +75,37 @@ void decode_lane(const int K, const int cb, uint words[8], uint prev, out float 
     }
 }
 
+#ifdef EXL3_F16
+// Packed fp16 decoding (PERF-NOTES item 2). Pair i of a lane = positions (2i, 2i+1) = k-rows (row, row+1) of one
+// column. mcg/3inst: the fp16 add of the two halves is one correctly rounded operation, so exact everywhere.
+// mul1: the fused fp16 fma of the CUDA arm is exact only where the driver really fuses it (quirk
+// f16_fma_fused, measured); elsewhere the exact fp32 form is rounded once to fp16.
+#extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
+layout(constant_id = 15) const bool F16_FMA_FUSED = false;
+
+void decode_lane_h(const int K, const int cb, uint words[8], uint prev, out f16vec2 hv[16]) {
+    uint w[9];
+    w[0] = prev;
+    for (int i = 0; i < 8; ++i) w[i + 1] = words[i];
+    [[unroll]] for (int i = 0; i < 16; ++i) {
+        uint s0 = lane_state(w, (2 * i + 1) * K), s1 = lane_state(w, (2 * i + 2) * K);
+        if (cb == CB_MUL1) {
+            uint b0 = byte_sum(s0 * 0x83DCD12Du), b1 = byte_sum(s1 * 0x83DCD12Du);
+            if (F16_FMA_FUSED) {
+                f16vec2 h = unpackFloat2x16((0x6400u + b0) | ((0x6400u + b1) << 16));  // exactly 1024 + B
+                hv[i] = fma(h, f16vec2(float16_t(0.00676727294921875)), f16vec2(float16_t(-10.3828125)));
+            } else {
+                vec2 v = vec2(float(1024u + b0), float(1024u + b1)) * 0.00676727294921875 + (-10.3828125);
+                hv[i] = f16vec2(v);
+            }
+        } else {
+            uint mult = cb == CB_MCG ? 0xCBAC1FEDu : 89226354u, add = cb == CB_MCG ? 0u : 64248484u;
+            uint y0 = ((s0 * mult + add) & 0x8FFF8FFFu) ^ 0x3B603B60u;
+            uint y1 = ((s1 * mult + add) & 0x8FFF8FFFu) ^ 0x3B603B60u;
+            hv[i] = unpackFloat2x16((y0 & 0xFFFFu) | (y1 << 16)) + unpackFloat2x16((y0 >> 16) | (y1 & 0xFFFF0000u));
+        }
+    }
+}
+#endif
+
 #endif

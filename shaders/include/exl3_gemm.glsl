@@ -10,6 +10,7 @@
 //   GEMM_ROWS            max rows per pass (a specialization constant; 1..16)
 //   uint gemm_a_word(const int src, uint index)      packed fp16 pair of A (two consecutive k of one row)
 //   uint gemm_b_word(const int src, uint index)      trellis word
+//   uvec4 gemm_a_word4 / gemm_b_word4(src, index4)   the same memory, 16 bytes at a time
 // and includes exl3_decode.glsl first.
 
 #ifndef EXL3_GEMM_GLSL
@@ -27,6 +28,25 @@ void gemm_clear() {
 
 // Accumulate gemm_acc[r * 2 + c] for rows r < nr, this invocation's two columns c, over its k-tiles.
 // a_base/a_stride are in uint words (a row of k fp16 values is k/2 words); b_base in uint words.
+// This lane's K trellis words of a tile starting at word `index`: 16-byte loads where K allows (K = 4, 8: the
+// lane's words are 16-byte aligned), else one word at a time.
+void gemm_load_lane(int b_src, int K, uint index, out uint words[8]) {
+    [[unroll]] for (int i = 0; i < 8; ++i) words[i] = 0u;
+    if (K == 4 || K == 8) {
+        uvec4 v = gemm_b_word4(b_src, index >> 2);
+        words[0] = v.x; words[1] = v.y; words[2] = v.z; words[3] = v.w;
+        if (K == 8) {
+            v = gemm_b_word4(b_src, (index >> 2) + 1u);
+            words[4] = v.x; words[5] = v.y; words[6] = v.z; words[7] = v.w;
+        }
+    } else {
+        [[unroll]] for (int i = 0; i < 8; ++i) if (i < K) words[i] = gemm_b_word(b_src, index + uint(i));
+    }
+}
+
+// Accumulate gemm_acc[r * 2 + c] for rows r < nr, this invocation's two columns c, over its k-tiles.
+// a_base/a_stride are in uint words (a row of k fp16 values is k/2 words; a_base + 8 kt is 32-byte aligned);
+// b_base in uint words.
 void gemm_accumulate(const int a_src, int b_src, int K, const int cb,
                      uint a_base, uint a_stride, uint nr,
                      uint b_base, uint tiles_n, uint band, uint kt0, uint kt1) {
@@ -39,23 +59,47 @@ void gemm_accumulate(const int a_src, int b_src, int K, const int cb,
     for (uint kt = kt0 + (slot >> 3); kt < kt1; kt += 4u) {
         uint base = b_base + (kt * tiles_n + nt) * tile_words;
         uint words[8];
-        [[unroll]] for (int i = 0; i < 8; ++i) words[i] = i < K ? gemm_b_word(b_src, base + first + uint(i)) : 0u;
+        gemm_load_lane(b_src, K, base + first, words);
+#ifdef EXL3_F16
+        // The word before this lane's words is the last word of the previous lane of the same tile (lane 7 for
+        // lane 0: the tail-biting wrap). The 8 lanes of a tile are 8 aligned consecutive subgroup invocations.
+        uint sid = gl_SubgroupInvocationID;
+        uint prev = subgroupShuffle(words[K - 1], (sid & ~7u) | ((sid + 7u) & 7u));
+        f16vec2 hv[16];
+        decode_lane_h(K, cb, words, prev, hv);
+#else
         uint prev = gemm_b_word(b_src, base + prev_index);
         float vals[32];
         decode_lane(K, cb, words, prev, vals);
+#endif
         [[unroll]] for (int r = 0; r < GEMM_ROWS; ++r) {
             if (uint(r) < nr) {
                 uint xa = a_base + uint(r) * a_stride + kt * 8u;
+                uvec4 xlo = gemm_a_word4(a_src, xa >> 2), xhi = gemm_a_word4(a_src, (xa >> 2) + 1u);
+                uint xw[8] = uint[8](xlo.x, xlo.y, xlo.z, xlo.w, xhi.x, xhi.y, xhi.z, xhi.w);
+#ifdef EXL3_F16
+                // fp16 products summed in fp16 within the tile (8 pairs per column), then folded into fp32.
+                f16vec2 h0 = f16vec2(0.0), h1 = f16vec2(0.0);
+                [[unroll]] for (int i = 0; i < 16; ++i) {
+                    int j = 2 * i, wi = (j >> 3) + 4 * ((j >> 1) & 1);
+                    f16vec2 x = unpackFloat2x16(xw[wi]);
+                    if ((j & 4) == 0) h0 = fma(x, hv[i], h0);
+                    else              h1 = fma(x, hv[i], h1);
+                }
+                gemm_acc[r * 2] += float(h0.x) + float(h0.y);
+                gemm_acc[r * 2 + 1] += float(h1.x) + float(h1.y);
+#else
                 float s0 = 0.0, s1 = 0.0;
                 // Positions j, j+1 hold k-rows (row, row+1) of the tile, packed in A word row/2.
                 [[unroll]] for (int j = 0; j < 32; j += 2) {
                     int wi = (j >> 3) + 4 * ((j >> 1) & 1);
-                    vec2 x = unpackHalf2x16(gemm_a_word(a_src, xa + uint(wi)));
+                    vec2 x = unpackHalf2x16(xw[wi]);
                     if ((j & 4) == 0) s0 += x.x * vals[j] + x.y * vals[j + 1];
                     else              s1 += x.x * vals[j] + x.y * vals[j + 1];
                 }
                 gemm_acc[r * 2] += s0;
                 gemm_acc[r * 2 + 1] += s1;
+#endif
             }
         }
     }

@@ -35,11 +35,17 @@ layout(std430, binding = 12) readonly buffer DV { uint down_svh[]; };         //
 // Routing results: [0] rows routed (R'), [1] chunks; then chunk table (expert, first row, rows) x max_chunks;
 // then per sorted row its flat index t * top_k + slot, its expert; then per token its number of valid slots.
 layout(std430, binding = 13) nonprivate buffer Route { uint route[]; };
-layout(std430, binding = 14) buffer States { uint states[]; };    // [2][R][H] fp16: gate, up inputs
+layout(std430, binding = 14) nonprivate buffer States { uint states[]; };    // [2][R][H] fp16: gate, up inputs
 layout(std430, binding = 15) nonprivate buffer Inter { uint inter[]; };      // [R][I] fp16: down input
 layout(std430, binding = 16) nonprivate buffer Partial { float partial[]; }; // GEMM k-split partials, fp32
 layout(std430, binding = 17) nonprivate buffer Rows { float rows_out[]; };   // [R][H] fp32 per (token, slot)
 layout(std430, binding = 18) nonprivate buffer Sync { uint sync_words[]; };  // counters, tickets, barrier, abort
+// The same memory 16 bytes at a time, for the GEMM's vector loads.
+layout(std430, binding = 4) readonly buffer GT4 { uvec4 gate_trellis4[]; };
+layout(std430, binding = 7) readonly buffer UT4 { uvec4 up_trellis4[]; };
+layout(std430, binding = 10) readonly buffer DT4 { uvec4 down_trellis4[]; };
+layout(std430, binding = 14) nonprivate buffer States4 { uvec4 states4[]; };
+layout(std430, binding = 15) nonprivate buffer Inter4 { uvec4 inter4[]; };
 
 layout(push_constant) uniform MoePush {
     uint m, top_k, E, H, I;

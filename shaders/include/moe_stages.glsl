@@ -21,6 +21,10 @@ uint gemm_a_word(const int src, uint index) { return src == 0 ? states[index] : 
 uint gemm_b_word(int src, uint index) {
     return src == 0 ? gate_trellis[index] : src == 1 ? up_trellis[index] : down_trellis[index];
 }
+uvec4 gemm_a_word4(const int src, uint index) { return src == 0 ? states4[index] : inter4[index]; }
+uvec4 gemm_b_word4(int src, uint index) {
+    return src == 0 ? gate_trellis4[index] : src == 1 ? up_trellis4[index] : down_trellis4[index];
+}
 #include "exl3_decode.glsl"
 #include "hadamard128.glsl"
 #include "exl3_gemm.glsl"

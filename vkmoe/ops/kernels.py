@@ -1,8 +1,10 @@
 """Pipelines of the EXL3 shaders, cached per device, with the variant that suits the device chosen here
 (the integer-dot-product build where the device has shaderIntegerDotProduct)."""
+import os
 import threading
 
 from ..vk import Pipeline, PushConstants
+from ..vk.pipeline import SPV_DIR
 
 _lock = threading.Lock()
 CODEBOOK_IDS = {"3inst": 0, "mcg": 1, "mul1": 2}
@@ -24,10 +26,31 @@ def uses_idot(device):
     return bool(device.features.get("shaderIntegerDotProduct"))
 
 
+def decode_variant(device):
+    """Which build of the decoding shaders runs here: "f16" (packed fp16 decode and products, integer dot
+    product, subgroup shuffles), "idot" (fp32 decode with the integer dot product) or "" (portable).
+    VKMOE_DECODE=fp32 forces the fp32 decode (for comparisons)."""
+    choice = os.environ.get("VKMOE_DECODE", "auto").strip().lower()
+    if choice not in ("auto", "f16", "fp32"):
+        raise ValueError(f"VKMOE_DECODE={choice!r}: expected auto, f16 or fp32")
+    if not uses_idot(device):
+        return ""
+    if choice != "fp32" and device.features.get("shaderFloat16") and device.subgroup_size >= 8:
+        return "f16"
+    return "idot"
+
+
 def pipeline(device, shader, push, spec=None, decode=False, binding_count=None):
     """The cached pipeline `shader` with specialization `spec`; `decode` shaders get the idot build when the
     device supports it. Pipelines live until the device closes."""
-    name = shader + ("_idot" if decode and uses_idot(device) else "")
+    variant = decode_variant(device) if decode else ""
+    if variant == "f16" and not os.path.exists(os.path.join(SPV_DIR, f"{shader}_f16.spv")):
+        variant = "idot"  # this shader has no packed-fp16 build (e.g. the fp32 dequantizer)
+    name = shader + (f"_{variant}" if variant else "")
+    if variant == "f16":
+        # the exact fused fp16 fma for mul1 only where the driver was measured to fuse it
+        spec = dict(spec or {})
+        spec[15] = bool(device.quirks.get("f16_fma_fused"))
     key = (name, tuple(sorted((spec or {}).items())))
     with _lock:
         cache = device.__dict__.setdefault("_vkmoe_pipelines", {})

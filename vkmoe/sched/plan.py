@@ -46,13 +46,31 @@ def _co_resident(device):
             raise ValueError(f"VKMOE_PERSISTENT_GRID={forced!r}: expected a positive integer")
         return n, "VKMOE_PERSISTENT_GRID (forced; not checked against residency)", True
     entry = residency.lookup(device, PERSISTENT_VARIANT)
+    per_cu = _workgroups_per_cu()
     if entry is not None:
         if not entry.get("persistent"):
             return 0, f"probe cache: {entry.get('reason')}", False
-        return int(entry["grid"]), f"probe cache ({entry.get('probed_at', '?')}): {entry.get('reason')}", True
+        grid = int(entry["grid"])
+        if per_cu > 1 and device.compute_units:
+            # More than one workgroup per compute unit only as far as the probe measured co-residency.
+            grid = min(int(entry["co_resident"]["min"]), per_cu * device.compute_units)
+        return grid, f"probe cache ({entry.get('probed_at', '?')}): {entry.get('reason')}", True
     if device.compute_units:
         return int(device.compute_units), f"{device.compute_units_source}: one workgroup per compute unit", True
     return 0, "no co-resident count for this device (run tools/probe_residency)", False
+
+
+def _workgroups_per_cu():
+    """VKMOE_PERSISTENT_WG_PER_CU: workgroups per compute unit when a probe measured that many co-resident
+    (default 1: the design's one workgroup per compute unit)."""
+    text = os.environ.get("VKMOE_PERSISTENT_WG_PER_CU", "1")
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"VKMOE_PERSISTENT_WG_PER_CU={text!r}: expected a positive integer") from None
+    if value < 1:
+        raise ValueError(f"VKMOE_PERSISTENT_WG_PER_CU={text!r}: expected a positive integer")
+    return value
 
 
 def work_loop_iterations(moe_plan, E, H, I, gated):

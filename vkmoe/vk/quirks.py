@@ -63,13 +63,39 @@ def measure_loop_iteration_cap(device):
         pipe.close()
 
 
+def measure_f16_fma_fused(device):
+    """True when the driver's fp16 fma(1024 + B, c1, c0) rounds once for every mul1 byte sum B, i.e. the packed
+    fp16 mul1 decode gives the CUDA arm's exact bits; None when the device has no fp16 arithmetic."""
+    if not device.features.get("shaderFloat16"):
+        return None
+    from .commands import CommandRecorder
+    from .pipeline import Pipeline
+
+    pipe = Pipeline(device, "f16_fma_probe")
+    buf = device.memory.allocate(4 * 1024)
+    try:
+        buf.upload(np.zeros(1024, np.uint32))
+        with CommandRecorder(device) as rec:
+            rec.begin()
+            rec.dispatch(pipe, pipe.bind(buf), 16)
+            rec.end()
+            rec.submit(wait=True, timeout=60)
+        got = buf.download(np.uint32)[:1021].astype(np.uint16)
+    finally:
+        buf.close()
+        pipe.close()
+    exact = ((1024 + np.arange(1021)) * 1774 - 2721792).astype(np.float64) * 2.0 ** -18  # (1024+B)*c1 + c0
+    return bool(np.array_equal(got, exact.astype(np.float16).view(np.uint16)))
+
+
 def detect_quirks(device, refresh=False):
     key = device.identity
     with _lock:
         entries = _load()
-        if not refresh and key in entries:
+        if not refresh and key in entries and "f16_fma_fused" in entries[key]:
             return entries[key]
-    quirks = {"loop_iteration_cap": measure_loop_iteration_cap(device)}
+    quirks = {"loop_iteration_cap": measure_loop_iteration_cap(device),
+              "f16_fma_fused": measure_f16_fma_fused(device)}
     with _lock:
         entries = _load()
         entries[key] = quirks

@@ -78,4 +78,4 @@ def reflect(code: bytes) -> ShaderInterface:
         spec_id = decorations.get(result_id, {}).get(_DEC_SPEC_ID)
         if spec_id is not None:
             spec_constants[spec_id] = types[type_id][0]
-    return ShaderInterface(sorted(bindings), push_size, spec_constants)
+    return ShaderInterface(sorted(set(bindings)), push_size, spec_constants)  # aliases share a binding
