@@ -56,19 +56,35 @@ void gemm_accumulate(const int a_src, int b_src, int K, const int cb,
     uint tile_words = 8u * uint(K);
     uint first = uint(K) * q;                       // this lane's first word inside the tile
     uint prev_index = (first + tile_words - 1u) % tile_words;
-    for (uint kt = kt0 + (slot >> 3); kt < kt1; kt += 4u) {
+    // The next tile's words are loaded before this tile is decoded, so two tiles' loads are in flight: decode is
+    // cheap next to a memory round trip, and a k-slice has only a few tiles per invocation at small batch sizes.
+    uint kt = kt0 + (slot >> 3);
+    uint next[8], next_prev = 0u;
+    if (kt < kt1) {
         uint base = b_base + (kt * tiles_n + nt) * tile_words;
-        uint words[8];
-        gemm_load_lane(b_src, K, base + first, words);
+        gemm_load_lane(b_src, K, base + first, next);
+#ifndef EXL3_F16
+        next_prev = gemm_b_word(b_src, base + prev_index);
+#endif
+    }
+    for (; kt < kt1; kt += 4u) {
+        uint words[8] = next;
+        uint prev = next_prev;
+        if (kt + 4u < kt1) {
+            uint base = b_base + ((kt + 4u) * tiles_n + nt) * tile_words;
+            gemm_load_lane(b_src, K, base + first, next);
+#ifndef EXL3_F16
+            next_prev = gemm_b_word(b_src, base + prev_index);
+#endif
+        }
 #ifdef EXL3_F16
         // The word before this lane's words is the last word of the previous lane of the same tile (lane 7 for
         // lane 0: the tail-biting wrap). The 8 lanes of a tile are 8 aligned consecutive subgroup invocations.
         uint sid = gl_SubgroupInvocationID;
-        uint prev = subgroupShuffle(words[K - 1], (sid & ~7u) | ((sid + 7u) & 7u));
+        prev = subgroupShuffle(words[K - 1], (sid & ~7u) | ((sid + 7u) & 7u));
         f16vec2 hv[16];
         decode_lane_h(K, cb, words, prev, hv);
 #else
-        uint prev = gemm_b_word(b_src, base + prev_index);
         float vals[32];
         decode_lane(K, cb, words, prev, vals);
 #endif

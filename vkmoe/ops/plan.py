@@ -15,6 +15,14 @@ class GemmPlan:
     kt_per_split: int  # k-tiles (16 deep) per split
 
 
+def default_target_workgroups(device):
+    """How many workgroups a GEMM dispatch aims for: VKMOE_GEMM_WG_PER_CU (default 4) per compute unit."""
+    import os
+
+    per_cu = int(os.environ.get("VKMOE_GEMM_WG_PER_CU", "4"))
+    return max(1, per_cu) * (device.compute_units or 16)
+
+
 def rows_for(m):
     return 1 if m <= 1 else 4 if m <= 4 else 8 if m <= 8 else 16
 
@@ -25,7 +33,7 @@ def gemm_plan(device, m, k, n, target_workgroups=None):
     tiles_k = k // 16
     bands = n // 128
     if target_workgroups is None:
-        target_workgroups = 4 * (device.compute_units or 16)
+        target_workgroups = default_target_workgroups(device)
     splits = max(1, min(tiles_k // 4 or 1, -(-target_workgroups // (bands * row_chunks))))
     kt_per_split = -(-tiles_k // splits)
     if device.quirks.get("loop_iteration_cap"):
@@ -68,7 +76,7 @@ def moe_plan(device, m, top_k, E, H, I, gated, target_workgroups=None):
     max_chunks = active + -(-R // rows)
     expected_chunks = max(active, -(-R // rows))
     if target_workgroups is None:
-        target_workgroups = 4 * (device.compute_units or 16)
+        target_workgroups = default_target_workgroups(device)
     splits_gu, kt_gu = _splits(device, H // 16, expected_chunks * (I // 128) * (2 if gated else 1), target_workgroups)
     splits_d, kt_d = _splits(device, I // 16, expected_chunks * (H // 128), target_workgroups)
     return MoePlan(m, top_k, rows, max_chunks, splits_gu, kt_gu, splits_d, kt_d)
