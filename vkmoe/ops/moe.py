@@ -5,7 +5,7 @@ routing prep + the stage bodies of shaders/include/moe_stages.glsl, either as sp
 barriers or as one persistent dispatch with spin barriers (vkmoe.sched decides; see ARCHITECTURE.md).
 """
 import os
-import time
+import threading
 
 import numpy as np
 
@@ -147,7 +147,8 @@ class Exl3MoeMlp:
             raise TypeError(f"act_limit must be a number, got {act_limit!r}") from None
         if not np.isfinite(self.act_limit) or self.act_limit < 0:
             raise ValueError(f"act_limit must be finite and >= 0 (0 = no clamp), got {act_limit!r}")
-        self.dispatch = parse_dispatch(dispatch)
+        self.dispatch = parse_dispatch(dispatch)  # validated now; VKMOE_DISPATCH is read again at each call
+        self._dispatch_arg = dispatch
         limit = device.limits.maxStorageBufferRange
         for name, group in (("gate", gate), ("up", up), ("down", down)):
             if group is not None and sum(t.trellis.nbytes for t in group) > limit:
@@ -169,6 +170,7 @@ class Exl3MoeMlp:
             raise ValueError("gate projections are required exactly when the activation is gated")
         self.act_limit = float(act_limit)
         self.dispatch = parse_dispatch(dispatch)
+        self._dispatch_arg = dispatch
         self._setup(device, codebook, up.E, up.k, up.n, gate, up, down)
         return self
 
@@ -181,6 +183,8 @@ class Exl3MoeMlp:
         self._gate = gate if gate is not None else up  # gateless: bound, never read
         self._scratch = {}
         self._io = {}
+        self._recorded = {}
+        self._call_lock = threading.Lock()
         self.last_run = None
 
     # --------------------------------------------------------------------------------------------- loading
@@ -318,7 +322,7 @@ class Exl3MoeMlp:
     # -------------------------------------------------------------------------------------------- forward
     def __call__(self, hidden, expert_ids, expert_weights, dispatch=None):
         m, top_k = self._check_inputs(hidden, expert_ids, expert_weights)
-        mode = self.dispatch if dispatch is None else parse_dispatch(dispatch)
+        mode = parse_dispatch(dispatch if dispatch is not None else self._dispatch_arg)
         if m == 0:
             self.last_run = {"mode": "none", "reason": "m = 0", "gpu_ms": 0.0}
             return np.zeros((0, self.H), np.float32)
@@ -335,13 +339,14 @@ class Exl3MoeMlp:
                              mem.allocate(m * self.H * 4))
         return self._io[key]
 
-    def _run(self, hidden, ids, weights, m, top_k, record_body):
+    def _run(self, hidden, ids, weights, m, top_k, key, record_body):
+        """Upload, submit the command buffer recorded for (m, top_k, key) (recorded on first use, output
+        poisoned with NaN first), wait; returns (out, gpu_ms, scratch)."""
         hb, ib, wb, ob = self._io_for(m, top_k)
-        hb.upload(hidden)
-        ib.upload(ids)
-        wb.upload(weights)
         scratch = self._scratch_for(m, top_k)
-        with CommandRecorder(self.device, timestamps=2) as rec:
+        rec = self._recorded.get((m, top_k, key))
+        if rec is None:
+            rec = CommandRecorder(self.device, timestamps=2)
             rec.begin()
             rec.fill(ob, POISON_F32)  # an element no stage writes stays NaN
             rec.barrier()
@@ -349,19 +354,26 @@ class Exl3MoeMlp:
             record_body(rec, scratch, self._bindings(scratch, hb, ib, wb, ob))
             rec.timestamp()
             rec.end()
+            self._recorded[(m, top_k, key)] = rec
+        with self._call_lock:  # one forward at a time per layer: the io and scratch buffers are per layer
+            hb.upload(hidden)
+            ib.upload(ids)
+            wb.upload(weights)
             rec.submit(wait=True)
             gpu_ms = rec.elapsed_ms()
-        return ob.download(np.float32, (m, self.H)), gpu_ms, scratch
+            out = ob.download(np.float32, (m, self.H))
+        return out, gpu_ms, scratch
 
     def run_split(self, hidden, ids, weights, m, top_k):
         """Upload, run the split path (output poisoned first), wait; returns (out, gpu_ms, plan)."""
-        out, gpu_ms, scratch = self._run(hidden, ids, weights, m, top_k, self._record_split)
+        out, gpu_ms, scratch = self._run(hidden, ids, weights, m, top_k, "split", self._record_split)
         return out, gpu_ms, scratch.plan
 
     def run_persistent(self, hidden, ids, weights, m, top_k, pplan):
         """Upload, run the persistent kernel, wait; returns (out, gpu_ms, abort code). A non-zero abort code
         means the output is not valid (the caller re-runs split after resetting the sync area)."""
-        out, gpu_ms, scratch = self._run(hidden, ids, weights, m, top_k,
+        key = ("persistent", pplan.workgroups, pplan.spin_limit, pplan.loop_budget)
+        out, gpu_ms, scratch = self._run(hidden, ids, weights, m, top_k, key,
                                          lambda rec, sc, bufs: self._record_persistent(rec, sc, bufs, pplan))
         return out, gpu_ms, int(scratch.sync.download(np.uint32, (1,))[0])
 
@@ -406,10 +418,13 @@ class Exl3MoeMlp:
             return np.zeros((0, self.H), np.float32)
         from ..sched.launch import run_forward
 
-        mode = self.dispatch if dispatch is None else parse_dispatch(dispatch)
+        mode = parse_dispatch(dispatch if dispatch is not None else self._dispatch_arg)
         return run_forward(self, mode, np.ascontiguousarray(hidden), ids.astype(np.int32), weights, m, top_k)
 
     def close(self):
+        for rec in self._recorded.values():
+            rec.close()
+        self._recorded = {}
         for s in self._scratch.values():
             s.close()
         for bufs in self._io.values():

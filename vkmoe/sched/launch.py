@@ -2,7 +2,7 @@
 (a bounded spin ran out) is re-run in split mode on the same inputs, and `moe.last_run` says why."""
 import time
 
-from .plan import auto_prefers_persistent, persistent_plan
+from .plan import auto_switch_point, persistent_plan
 
 ABORT_REASONS = {1: "a spin ran out of its bound", 2: "a ticket lock timed out", 3: "a grid barrier timed out",
                  4: "a self-check failed"}
@@ -19,8 +19,9 @@ def choose_mode(moe, mode, scratch):
         return "split", plan, "persistent requested but not possible: " + plan.reason
     if not plan.trusted:
         return "split", plan, "auto: " + plan.reason
-    if not auto_prefers_persistent(moe.device, scratch.plan.m):
-        return "split", plan, f"auto: m={scratch.plan.m} is past the batch size where persistent wins"
+    limit, source = auto_switch_point(moe.device)
+    if scratch.plan.m > limit:
+        return "split", plan, f"auto: split for m={scratch.plan.m} (persistent only up to m={limit}: {source})"
     return "persistent", plan, "auto: " + plan.reason
 
 

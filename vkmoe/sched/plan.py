@@ -116,14 +116,25 @@ def persistent_plan(device, moe_plan, E, H, I, gated):
     return plan(True, trusted, f"{workgroups} workgroups from {source}")
 
 
+def auto_switch_point(device):
+    """(largest batch size for which auto mode takes the persistent path, where that number came from).
+
+    From measurements only: VKMOE_PERSISTENT_MAX_M, else the crossover `tools/bench_moe --store-crossover`
+    measured on this device (the smallest over the shapes measured), else 0: without a measurement auto mode
+    keeps to the split path (on the NVIDIA H200 split was faster at every batch size, BENCHMARKS.md)."""
+    text = os.environ.get("VKMOE_PERSISTENT_MAX_M")
+    if text:
+        try:
+            return int(text), "VKMOE_PERSISTENT_MAX_M"
+        except ValueError:
+            raise ValueError(f"VKMOE_PERSISTENT_MAX_M={text!r}: expected an integer") from None
+    shapes = residency.lookup_crossover(device)
+    if shapes:
+        shape, entry = min(shapes.items(), key=lambda kv: kv[1]["max_m"])
+        return int(entry["max_m"]), f"measured crossover ({shape}, {entry.get('measured_at', '?')})"
+    return 0, "no measured crossover for this device (tools/bench_moe --store-crossover)"
+
+
 def auto_prefers_persistent(device, m):
-    """Whether auto mode takes the persistent path for a batch of m tokens (when the plan allows it).
-    VKMOE_PERSISTENT_MAX_M overrides the measured switch point (see BENCHMARKS.md)."""
-    limit = os.environ.get("VKMOE_PERSISTENT_MAX_M")
-    if limit:
-        return m <= int(limit)
-    return m <= PERSISTENT_MAX_M_DEFAULT
-
-
-# Measured switch point: persistent wins up to this batch size (BENCHMARKS.md, H200 table).
-PERSISTENT_MAX_M_DEFAULT = 64
+    """Whether auto mode takes the persistent path for a batch of m tokens (when the plan allows it)."""
+    return m <= auto_switch_point(device)[0]

@@ -104,3 +104,28 @@ def forget(device=None):
         if device is not None:
             data.pop(device_key(device), None)
         _save(data)
+
+
+CROSSOVER_KEY = "moe-dispatch-crossover"
+
+
+def store_crossover(device, shape, max_m, evidence):
+    """Record, for this device, up to which batch size the persistent kernel beat the split path on a shape
+    (written by `tools/bench_moe --store-crossover`; read by auto mode). max_m = 0: it never won."""
+    key = device_key(device)
+    with _lock:
+        data = _load()
+        entry = data.setdefault(key, {}).setdefault(CROSSOVER_KEY, {"format": FORMAT, "shapes": {}})
+        entry["shapes"][shape] = {"max_m": int(max_m), "evidence": evidence,
+                                  "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        _save(data)
+    return cache_path()
+
+
+def lookup_crossover(device):
+    """{shape: {"max_m": ..., ...}} measured on this device, or {}."""
+    with _lock:
+        entry = _load().get(device_key(device), {}).get(CROSSOVER_KEY)
+    if not isinstance(entry, dict) or entry.get("format") != FORMAT:
+        return {}
+    return entry.get("shapes", {})

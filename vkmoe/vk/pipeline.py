@@ -7,6 +7,7 @@ not declare is an error.
 """
 import os
 import struct
+import threading
 
 import numpy as np
 import vulkan as vk
@@ -212,6 +213,7 @@ class _DescriptorPools:
         self.device = device
         self.binding_count = max(1, binding_count)
         self.pools = []  # [handle, free slots]
+        self._lock = threading.Lock()  # descriptor pools are externally synchronised in Vulkan
 
     def _new_pool(self):
         size = vk.VkDescriptorPoolSize(type=vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER,
@@ -226,6 +228,10 @@ class _DescriptorPools:
         return entry
 
     def allocate(self, layout, buffers):
+        with self._lock:
+            return self._allocate(layout, buffers)
+
+    def _allocate(self, layout, buffers):
         entry = next((p for p in self.pools if p[1] > 0), None) or self._new_pool()
         sets = call("vkAllocateDescriptorSets", vk.vkAllocateDescriptorSets, self.device.handle,
                     vk.VkDescriptorSetAllocateInfo(sType=vk.VK_STRUCTURE_TYPE_DESCRIPTOR_SET_ALLOCATE_INFO,
@@ -242,6 +248,10 @@ class _DescriptorPools:
         return DescriptorSet(self, entry, handle, tuple(buffers))
 
     def free(self, entry, handle):
+        with self._lock:
+            self._free(entry, handle)
+
+    def _free(self, entry, handle):
         if entry in self.pools:
             vk.vkFreeDescriptorSets(self.device.handle, entry[0], 1, [handle])
             entry[1] += 1
