@@ -3,7 +3,7 @@
 import os
 import threading
 
-from ..vk import Pipeline, PushConstants
+from ..vk import Pipeline, PushConstants, VkmoeError
 from ..vk.pipeline import SPV_DIR
 
 _lock = threading.Lock()
@@ -43,6 +43,9 @@ def decode_variant(device):
 def pipeline(device, shader, push, spec=None, decode=False, binding_count=None):
     """The cached pipeline `shader` with specialization `spec`; `decode` shaders get the idot build when the
     device supports it. Pipelines live until the device closes."""
+    if getattr(device, "missing_subgroup_ops", None):
+        raise VkmoeError(f"{device.name}: vkmoe's kernels need subgroup ballot, arithmetic and shuffle operations "
+                         f"in compute shaders; this device lacks: {', '.join(device.missing_subgroup_ops)}")
     variant = decode_variant(device) if decode else ""
     if variant == "f16" and not os.path.exists(os.path.join(SPV_DIR, f"{shader}_f16.spv")):
         variant = "idot"  # this shader has no packed-fp16 build (e.g. the fp32 dequantizer)

@@ -19,7 +19,7 @@ DISPATCH_MODES = ("auto", "persistent", "split")
 POISON_F32 = 0x7FC00000  # a quiet NaN: an output element the kernels forget to write shows up in every test
 MOE_BINDINGS = 19       # shaders/include/moe_bindings.glsl
 MAX_TOP_K = 32          # shaders/include/moe_stages.glsl unrolls per-token slot loops to this
-MAX_EXPERTS = 1024       # routing counters live in shared memory (2 x 4 bytes per expert)
+MAX_EXPERTS = 1024       # routing counters live in shared memory (3 x 4 bytes per expert)
 
 
 class MoePush(PushConstants):
@@ -147,7 +147,7 @@ class Exl3MoeMlp:
             raise TypeError(f"act_limit must be a number, got {act_limit!r}") from None
         if not np.isfinite(self.act_limit) or self.act_limit < 0:
             raise ValueError(f"act_limit must be finite and >= 0 (0 = no clamp), got {act_limit!r}")
-        self.dispatch = parse_dispatch(dispatch)  # validated now; VKMOE_DISPATCH is read again at each call
+        parse_dispatch(dispatch)  # validated now; VKMOE_DISPATCH is read again at each call
         self._dispatch_arg = dispatch
         limit = device.limits.maxStorageBufferRange
         for name, group in (("gate", gate), ("up", up), ("down", down)):
@@ -169,7 +169,7 @@ class Exl3MoeMlp:
         if self.gated != (gate is not None):
             raise ValueError("gate projections are required exactly when the activation is gated")
         self.act_limit = float(act_limit)
-        self.dispatch = parse_dispatch(dispatch)
+        parse_dispatch(dispatch)
         self._dispatch_arg = dispatch
         self._setup(device, codebook, up.E, up.k, up.n, gate, up, down)
         return self
@@ -186,6 +186,11 @@ class Exl3MoeMlp:
         self._recorded = {}
         self._call_lock = threading.Lock()
         self.last_run = None
+
+    @property
+    def dispatch(self):
+        """The dispatch mode a call without `dispatch=` uses now (the constructor's argument, else VKMOE_DISPATCH)."""
+        return parse_dispatch(self._dispatch_arg)
 
     # --------------------------------------------------------------------------------------------- loading
     @classmethod
@@ -258,6 +263,8 @@ class Exl3MoeMlp:
         (and call `reset_after_abort(m, top_k)` and re-run split if it says so). __call__ does all of that."""
         if m <= 0:
             return None
+        if not 1 <= top_k <= MAX_TOP_K:
+            raise ValueError(f"top_k={top_k}: expected 1 <= top_k <= {MAX_TOP_K}")
         need = {"hidden_buf": m * self.H * 2, "ids_buf": m * top_k * 4, "weights_buf": m * top_k * 4,
                 "out_buf": m * self.H * 4}
         for name, buf in zip(need, (hidden_buf, ids_buf, weights_buf, out_buf)):
@@ -324,7 +331,9 @@ class Exl3MoeMlp:
         m, top_k = self._check_inputs(hidden, expert_ids, expert_weights)
         mode = parse_dispatch(dispatch if dispatch is not None else self._dispatch_arg)
         if m == 0:
-            self.last_run = {"mode": "none", "reason": "m = 0", "gpu_ms": 0.0}
+            self.last_run = {"mode": "none", "requested": mode, "reason": "m = 0: nothing to run",
+                             "fallback_reason": None, "plan": None, "persistent_plan": None, "workgroups": None,
+                             "groups": None, "gpu_ms": 0.0, "wall_ms": 0.0}
             return np.zeros((0, self.H), np.float32)
         from ..sched.launch import run_forward  # the persistent/split decision and the fallback
 
@@ -397,9 +406,16 @@ class Exl3MoeMlp:
             raise ValueError("hidden must be a (m, H) float16 array")
         if total and (token_sorted[:total].min() < 0 or token_sorted[:total].max() >= m):
             raise ValueError(f"token_sorted entries must lie in [0, {m})")
+        if not np.isfinite(weight_sorted[:total]).all():
+            raise ValueError("weight_sorted contains NaN or Inf")
         experts = np.repeat(np.arange(self.E), expert_count[:self.E])
         per_token = np.bincount(token_sorted[:total], minlength=m)
         top_k = max(1, int(per_token.max()) if m else 1)
+        if top_k > MAX_TOP_K:
+            raise ValueError(f"token_sorted routes a token to {top_k} experts; vkmoe supports at most {MAX_TOP_K}")
+        pairs = experts.astype(np.int64) * max(m, 1) + token_sorted[:total]
+        if np.unique(pairs).size != pairs.size:
+            raise ValueError("token_sorted names the same token twice for one expert")
         ids = np.full((m, top_k), -1, np.int64)
         weights = np.zeros((m, top_k), np.float32)
         fill = np.zeros(m, np.int64)

@@ -276,9 +276,13 @@ class Device:
             "shaderIntegerDotProduct": bool(f13 and f13.shaderIntegerDotProduct),
             "cooperativeMatrix": "VK_KHR_cooperative_matrix" in self.extensions,
         }
-        for required in ("storageBuffer16BitAccess", "shaderInt16"):
-            if not self.features[required]:
-                raise VkmoeError(f"{self.name}: vkmoe needs the {required} feature")
+        # Subgroup operations every vkmoe kernel uses (Vulkan 1.1 reports them for the compute stage).
+        self.subgroup_compute = bool(subgroup.supportedStages & vk.VK_SHADER_STAGE_COMPUTE_BIT)
+        needed = {"ballot": vk.VK_SUBGROUP_FEATURE_BALLOT_BIT, "arithmetic": vk.VK_SUBGROUP_FEATURE_ARITHMETIC_BIT,
+                  "shuffle": vk.VK_SUBGROUP_FEATURE_SHUFFLE_BIT}
+        self.missing_subgroup_ops = [n for n, bit in needed.items() if not self.subgroup_operations & bit]
+        if not self.subgroup_compute:
+            self.missing_subgroup_ops.append("compute stage")
 
     @property
     def is_lavapipe(self):
@@ -309,9 +313,9 @@ class Device:
         f12.storageBuffer8BitAccess = f["storageBuffer8BitAccess"]
         f12.hostQueryReset = f["hostQueryReset"]
         f11 = _new_struct("VkPhysicalDeviceVulkan11Features", vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_FEATURES, f12)
-        f11.storageBuffer16BitAccess = 1
+        f11.storageBuffer16BitAccess = f["storageBuffer16BitAccess"]
         f2 = _new_struct("VkPhysicalDeviceFeatures2", vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2, f11)
-        f2.features.shaderInt16 = 1
+        f2.features.shaderInt16 = f["shaderInt16"]
         f2.features.shaderInt64 = f["shaderInt64"]
         priorities = ffi.new("float[1]", [1.0])
         queue_info = ffi.new("VkDeviceQueueCreateInfo*")

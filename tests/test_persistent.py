@@ -1,0 +1,261 @@
+"""The persistent single-dispatch path: bit-identical to split on every golden file, self-resetting scheduler
+state, the safety net under forced oversubscription (a real deadlock on Mesa 25 without the spin bound), two
+layers used from two threads, the dispatch toggles and the launch plan's decisions."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import vkmoe
+from goldens import golden_files, load_layer
+from vkmoe.sched import plan as sched_plan
+from vkmoe.sched import residency
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def layers(device):
+    cache = {}
+
+    def get(path, activation=None):
+        key = (path, activation)
+        if key not in cache:
+            L = load_layer(path)
+            cache[key] = (L, vkmoe.Exl3MoeMlp(device, L.gate, L.up, L.down, activation=activation or L.activation,
+                                              act_limit=L.act_limit))
+        return cache[key]
+
+    yield get
+    for _, moe in cache.values():
+        moe.close()
+
+
+def _bits(a):
+    return np.ascontiguousarray(a).view(np.uint32)
+
+
+@pytest.mark.parametrize("path", golden_files(), ids=lambda p: os.path.basename(p)[:-4])
+def test_golden_persistent_bit_identical_to_split(layers, path):
+    L, moe = layers(path)
+    for call in L.calls:
+        split = moe(call["x"], call["selected"], call["weights"], dispatch="split")
+        assert moe.last_run["mode"] == "split"
+        persistent = moe(call["x"], call["selected"], call["weights"], dispatch="persistent")
+        run = moe.last_run
+        assert run["mode"] == "persistent", run
+        assert run["fallback_reason"] is None
+        assert run["workgroups"] >= 1
+        assert np.isfinite(persistent).all()
+        assert np.array_equal(_bits(split), _bits(persistent)), f"{os.path.basename(path)}{call['suffix']}"
+        ref = call["ref_out_gelu_tanh"] if L.activation == "gelu" and call["ref_out_gelu_tanh"] is not None \
+            else call["ref_out"]
+        rel = np.sqrt(np.mean((persistent - ref) ** 2) / np.mean(ref ** 2))
+        assert rel < 3e-3
+
+
+def test_scheduler_state_resets_itself_over_100_launches(layers):
+    L, moe = layers(golden_files()[0])
+    call = L.calls[0]
+    expected = moe(call["x"], call["selected"], call["weights"], dispatch="split")
+    m, top_k = call["selected"].shape
+    sync = moe._scratch_for(m, top_k).sync
+    for _ in range(100):
+        out = moe(call["x"], call["selected"], call["weights"], dispatch="persistent")
+        assert moe.last_run["mode"] == "persistent"
+    assert np.array_equal(_bits(out), _bits(expected))
+    words = sync.download(np.uint32)
+    # abort flag, barrier arrivals, phase tickets, retired count and every arrival counter are back to 0; only
+    # the barrier generation (word 3) moves on, by 3 barriers per launch
+    assert words[0] == 0 and words[2] == 0 and not words[4:16].any() and not words[16:].any(), words[:24]
+    assert words[3] % 3 == 0 and words[3] >= 300
+
+
+def test_forced_oversubscription_falls_back_to_split_quickly(tmp_path):
+    """6 workgroups on a driver with 2 worker threads: 4 can never run while the first 2 spin. Without the
+    bound Mesa 25 would deadlock (Mesa 22.3 would end the loop and return garbage)."""
+    script = textwrap.dedent(f"""
+        import json, sys, time
+        import numpy as np
+        sys.path.insert(0, {os.path.join(REPO, 'tests')!r})
+        import vkmoe
+        from goldens import golden_files, load_layer
+        L = load_layer(golden_files()[0])
+        call = L.calls[0]
+        with vkmoe.Device() as dev:
+            moe = vkmoe.Exl3MoeMlp(dev, L.gate, L.up, L.down, activation=L.activation)
+            split = moe(call["x"], call["selected"], call["weights"], dispatch="split")
+            moe(call["x"], call["selected"], call["weights"], dispatch="persistent")  # compiles
+            t = time.perf_counter()
+            out = moe(call["x"], call["selected"], call["weights"], dispatch="persistent")
+            wall = time.perf_counter() - t
+            run = moe.last_run
+            print(json.dumps({{"wall": wall, "mode": run["mode"], "reason": run["fallback_reason"],
+                              "identical": bool(np.array_equal(out.view(np.uint32), split.view(np.uint32))),
+                              "grid": run["persistent_plan"]["workgroups"]}}))
+            moe.close()
+    """)
+    env = dict(os.environ, LP_NUM_THREADS="2", VKMOE_PERSISTENT_GRID="6", VKMOE_CACHE_DIR=str(tmp_path),
+               PYTHONPATH=REPO)
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["grid"] == 6
+    assert result["mode"] == "split"
+    assert "aborted" in result["reason"] and "re-ran in split mode" in result["reason"]
+    assert result["identical"]
+    assert result["wall"] < 2.0, result
+
+
+def test_two_layers_from_two_threads(layers):
+    paths = golden_files()
+    jobs = []
+    for path in (paths[0], paths[2]):
+        L, moe = layers(path)
+        call = L.calls[0]
+        jobs.append((moe, call, moe(call["x"], call["selected"], call["weights"], dispatch="split")))
+    errors = []
+
+    def work(moe, call, expected):
+        try:
+            for _ in range(10):
+                out = moe(call["x"], call["selected"], call["weights"], dispatch="persistent")
+                if not np.array_equal(_bits(out), _bits(expected)):
+                    errors.append("wrong result")
+        except Exception as exc:  # collected and reported by the main thread
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=work, args=job) for job in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads)
+    assert not errors, errors
+
+
+def test_dispatch_environment_toggles_the_path(layers, monkeypatch):
+    L, moe = layers(golden_files()[0])
+    call = L.calls[0]
+    args = (call["x"], call["selected"], call["weights"])
+    monkeypatch.setenv("VKMOE_DISPATCH", "split")
+    moe(*args)
+    assert moe.last_run["mode"] == "split" and moe.last_run["requested"] == "split"
+    monkeypatch.setenv("VKMOE_DISPATCH", "persistent")
+    moe(*args)
+    assert moe.last_run["mode"] == "persistent"
+    monkeypatch.setenv("VKMOE_DISPATCH", "auto")
+    monkeypatch.setenv("VKMOE_PERSISTENT_MAX_M", "64")
+    moe(*args)
+    assert moe.last_run["mode"] == "persistent" and moe.last_run["requested"] == "auto"
+    monkeypatch.setenv("VKMOE_PERSISTENT_MAX_M", "0")
+    moe(*args)
+    assert moe.last_run["mode"] == "split" and "persistent only up to m=0" in moe.last_run["fallback_reason"]
+    # the argument wins over the environment
+    monkeypatch.setenv("VKMOE_DISPATCH", "split")
+    moe(*args, dispatch="persistent")
+    assert moe.last_run["mode"] == "persistent"
+    monkeypatch.setenv("VKMOE_DISPATCH", "sometimes")
+    with pytest.raises(ValueError, match="VKMOE_DISPATCH"):
+        moe(*args)
+
+
+def test_record_persistent_matches_split(device, layers):
+    L, moe = layers(golden_files()[0])
+    call = L.calls[0]
+    m, top_k = call["selected"].shape
+    expected = moe(call["x"], call["selected"], call["weights"], dispatch="split")
+    mem = device.memory
+    hb, ib, wb, ob = (mem.allocate(m * moe.H * 2), mem.allocate(m * top_k * 4), mem.allocate(m * top_k * 4),
+                      mem.allocate(m * moe.H * 4))
+    try:
+        hb.upload(call["x"])
+        ib.upload(call["selected"].astype(np.int32))
+        wb.upload(call["weights"].astype(np.float32))
+        ob.upload(np.full((m, moe.H), np.nan, np.float32))
+        with vkmoe.CommandRecorder(device) as rec:
+            rec.begin()
+            moe.record(rec, hb, ib, wb, ob, m, top_k, mode="persistent")
+            rec.end()
+            rec.submit(wait=True)
+        assert moe.aborted(m, top_k) == 0
+        assert np.array_equal(_bits(ob.download(np.float32, (m, moe.H))), _bits(expected))
+        with pytest.raises(ValueError, match="mode"):
+            moe.record(rec, hb, ib, wb, ob, m, top_k, mode="fast")
+    finally:
+        for b in (hb, ib, wb, ob):
+            b.close()
+
+
+# ------------------------------------------------------------------------------------------ the launch plan
+def _fake_device(name="Fake GPU", compute_units=8, cap=None, device_type="discrete-gpu"):
+    return SimpleNamespace(name=name, driver_name="fake", driver_info="", compute_units=compute_units,
+                           compute_units_source="test", quirks={"loop_iteration_cap": cap}, device_type=device_type,
+                           identity=f"{name}|fake", features={})
+
+
+def _moe_plan(m=4, E=8):
+    from vkmoe.ops.plan import moe_plan
+
+    return moe_plan(_fake_device(), m, 2, E, 256, 128, True)
+
+
+def test_plan_uses_vendor_count_and_default_deny(tmp_path, monkeypatch):
+    monkeypatch.setenv("VKMOE_CACHE_DIR", str(tmp_path))
+    p = sched_plan.persistent_plan(_fake_device(), _moe_plan(), 8, 256, 128, True)
+    assert p.allowed and p.trusted and p.workgroups == 8 and "compute unit" in p.reason
+    for name in ("Apple M2 (MoltenVK)", "Mali-G78"):
+        p = sched_plan.persistent_plan(_fake_device(name=name), _moe_plan(), 8, 256, 128, True)
+        assert p.allowed and not p.trusted and "off by default" in p.reason
+    p = sched_plan.persistent_plan(_fake_device(compute_units=None), _moe_plan(), 8, 256, 128, True)
+    assert not p.allowed and "probe_residency" in p.reason
+    p = sched_plan.persistent_plan(_fake_device(), _moe_plan(E=300), 300, 256, 128, True)
+    assert not p.allowed and "at most 256" in p.reason
+
+
+def test_plan_refuses_work_past_the_loop_cap(tmp_path, monkeypatch):
+    monkeypatch.setenv("VKMOE_CACHE_DIR", str(tmp_path))
+    small = sched_plan.persistent_plan(_fake_device(cap=65536), _moe_plan(m=1), 8, 256, 128, True)
+    assert small.allowed and small.loop_budget < 65536 and small.spin_limit == small.loop_budget
+    big = sched_plan.persistent_plan(_fake_device(cap=65536), _moe_plan(m=4096, E=8), 8, 256, 128, True)
+    assert not big.allowed and "65536" in big.reason
+
+
+def test_plan_prefers_the_probe_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("VKMOE_CACHE_DIR", str(tmp_path))
+    dev = _fake_device(compute_units=8)
+    report = {"quirks": {"loop_iteration_cap": None}, "device": {"compute_units": 8}, "dispatch_us": 3.0,
+              "variants": [{"workgroup_size": 256, "shared_bytes": 16384,
+                            "co_resident": {"min": 24, "median": 24, "samples": [24], "launched": 64},
+                            "verdict": {"persistent": True, "grid": 8, "reason": "24 co-resident"},
+                            "barrier_us": 2.0, "litmus_violations": 0}]}
+    residency.store(dev, report)
+    p = sched_plan.persistent_plan(dev, _moe_plan(), 8, 256, 128, True)
+    assert p.workgroups == 8 and "probe cache" in p.source
+    monkeypatch.setenv("VKMOE_PERSISTENT_WG_PER_CU", "2")
+    assert sched_plan.persistent_plan(dev, _moe_plan(), 8, 256, 128, True).workgroups == 16
+    report["variants"][0]["verdict"] = {"persistent": False, "grid": 0, "reason": "litmus violations"}
+    residency.store(dev, report)
+    p = sched_plan.persistent_plan(dev, _moe_plan(), 8, 256, 128, True)
+    assert not p.allowed and "litmus" in p.reason
+
+
+def test_auto_switch_point_comes_from_measurements(tmp_path, monkeypatch):
+    monkeypatch.setenv("VKMOE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("VKMOE_PERSISTENT_MAX_M", raising=False)
+    dev = _fake_device()
+    assert sched_plan.auto_switch_point(dev)[0] == 0
+    residency.store_crossover(dev, "qwen3", 16, {"1": {"split": 50.0, "persistent": 40.0}})
+    residency.store_crossover(dev, "deepseek", 4, {"1": {"split": 150.0, "persistent": 140.0}})
+    limit, source = sched_plan.auto_switch_point(dev)
+    assert limit == 4 and "deepseek" in source
+    monkeypatch.setenv("VKMOE_PERSISTENT_MAX_M", "nope")
+    with pytest.raises(ValueError, match="VKMOE_PERSISTENT_MAX_M"):
+        sched_plan.auto_switch_point(dev)
