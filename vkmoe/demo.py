@@ -129,6 +129,48 @@ def run(device=None, experts=16, tokens=4, seed=0, out=sys.stdout):
     p(f"  output:        {y.shape} float32, rms {float(np.sqrt(np.mean(y.astype(np.float64) ** 2))):.4f}"
       + ("" if finite else ", NOT FINITE"))
     p(f"  vs CPU tier:   relative RMS error {err:.2e} (tolerance {TOLERANCE:.0e})")
+    block_ok = run_block(device, experts, tokens, seed, p)
     p(f"  total:         {time.perf_counter() - t0:.1f} s")
+    ok = ok and block_ok
     p("PASS" if ok else "FAIL")
+    return ok
+
+
+def run_block(device, experts, tokens, seed, p):
+    """The production path end to end: a generated Qwen3-MoE checkpoint (config.json + exllamav3-named
+    safetensors) loaded as vkmoe.models.SparseMoeBlock (router + routed experts), hidden states in, block output
+    out, on the backend the registry picks for the device, checked against the same block on the CPU tier."""
+    import tempfile
+
+    import vkmoe
+    from .models import SparseMoeBlock
+    from .models.checkpoint import write_checkpoint
+
+    with tempfile.TemporaryDirectory(prefix="vkmoe-demo-") as tmp:
+        _progress(f"writing a Qwen3-MoE checkpoint ({experts} experts, 1 layer) to {tmp} ...")
+        write_checkpoint(tmp, arch="qwen3_moe", hidden=HIDDEN, intermediate=INTERMEDIATE, experts=experts,
+                         top_k=TOP_K, layers=1, bits=BITS, codebook=CODEBOOK, seed=seed + 1, progress=False)
+        hidden = np.random.default_rng(seed + 2).standard_normal((tokens, HIDDEN)).astype(np.float16)
+        with vkmoe.Device(device) as dev:
+            _progress("SparseMoeBlock on the device ...")
+            block = SparseMoeBlock.from_checkpoint(tmp, 0, device=dev)
+            block(hidden)  # compiles
+            t1 = time.perf_counter()
+            y = block(hidden)
+            wall_ms = (time.perf_counter() - t1) * 1e3
+            run_info = dict(block.last_run or {})
+            backend = block.backend
+            if hasattr(block.moe, "close"):
+                block.moe.close()
+        _progress("SparseMoeBlock on the CPU tier ...")
+        y_cpu = SparseMoeBlock.from_checkpoint(tmp, 0, backend="cpu")(hidden)
+    finite = bool(np.isfinite(y).all())
+    err = _rel_rms(y, y_cpu) if finite else float("nan")
+    ok = finite and err < TOLERANCE
+    gpu = run_info.get("gpu_ms")
+    p(f"  block:         Qwen3-MoE checkpoint -> SparseMoeBlock (router + {experts} experts), {tokens} tokens")
+    p(f"  block backend: {backend}, dispatch {run_info.get('mode', '-')}"
+      + (f" ({run_info['fallback_reason']})" if run_info.get("fallback_reason") else ""))
+    p(f"  block time:    {wall_ms:.1f} ms wall" + (f", experts {gpu:.3f} ms GPU" if gpu is not None else ""))
+    p(f"  block vs CPU:  relative RMS error {err:.2e} (tolerance {TOLERANCE:.0e})" + ("" if finite else ", NOT FINITE"))
     return ok
