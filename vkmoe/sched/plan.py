@@ -36,15 +36,9 @@ class PersistentPlan:
 
 def _co_resident(device):
     """(workgroups, source, trusted) for the persistent kernel's variant."""
-    forced = os.environ.get("VKMOE_PERSISTENT_GRID")
+    forced = _positive_int_env("VKMOE_PERSISTENT_GRID", None)
     if forced:
-        try:
-            n = int(forced)
-        except ValueError:
-            raise ValueError(f"VKMOE_PERSISTENT_GRID={forced!r}: expected a positive integer") from None
-        if n < 1:
-            raise ValueError(f"VKMOE_PERSISTENT_GRID={forced!r}: expected a positive integer")
-        return n, "VKMOE_PERSISTENT_GRID (forced; not checked against residency)", True
+        return forced, "VKMOE_PERSISTENT_GRID (forced; not checked against residency)", True
     entry = residency.lookup(device, PERSISTENT_VARIANT)
     per_cu = _workgroups_per_cu()
     if entry is not None:
@@ -60,17 +54,23 @@ def _co_resident(device):
     return 0, "no co-resident count for this device (run tools/probe_residency)", False
 
 
-def _workgroups_per_cu():
-    """VKMOE_PERSISTENT_WG_PER_CU: workgroups per compute unit when a probe measured that many co-resident
-    (default 1: the design's one workgroup per compute unit)."""
-    text = os.environ.get("VKMOE_PERSISTENT_WG_PER_CU", "1")
+def _positive_int_env(name, default):
+    text = os.environ.get(name)
+    if not text:
+        return default
     try:
         value = int(text)
     except ValueError:
-        raise ValueError(f"VKMOE_PERSISTENT_WG_PER_CU={text!r}: expected a positive integer") from None
+        value = 0
     if value < 1:
-        raise ValueError(f"VKMOE_PERSISTENT_WG_PER_CU={text!r}: expected a positive integer")
+        raise ValueError(f"{name}={text!r}: expected a positive integer")
     return value
+
+
+def _workgroups_per_cu():
+    """VKMOE_PERSISTENT_WG_PER_CU: workgroups per compute unit when a probe measured that many co-resident
+    (default 1: the design's one workgroup per compute unit)."""
+    return _positive_int_env("VKMOE_PERSISTENT_WG_PER_CU", 1)
 
 
 def work_loop_iterations(moe_plan, E, H, I, gated):
