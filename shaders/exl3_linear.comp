@@ -42,8 +42,9 @@ void main() {
     uint tiles_k = pc.k / 16u, tiles_n = pc.n / 16u;
     uint kt0 = split * pc.kt_per_split, kt1 = min(tiles_k, kt0 + pc.kt_per_split);
 
+    [[unroll]] for (int r = 0; r < GEMM_ROWS; ++r) gemm_row_base[r] = (row0 + uint(r)) * (pc.k / 2u);
     gemm_clear();
-    gemm_accumulate(0, 0, K, CB, row0 * (pc.k / 2u), pc.k / 2u, nr, 0u, tiles_n, band, kt0, kt1);
+    gemm_accumulate(0, 0, K, CB, nr, 0u, tiles_n, band, kt0, kt1);
 
     for (uint r0 = 0u; r0 < nr; r0 += 4u) {
         barrier();

@@ -3,8 +3,8 @@
 // The persistent MoE kernel: ONE dispatch of at most the co-resident number of workgroups (the launch plan in
 // vkmoe/sched guarantees it) running every stage of moe_stages.glsl. Workgroups draw work items from a device
 // atomic ticket counter per phase (greedy load balance: no workgroup idles while items remain) and meet at a
-// spin barrier between phases - three per launch, however many experts:
-//   route (workgroup 0) | stage 1 items | gate/up items (+ activation) | down items (+ weighted output)
+// spin barrier between phases - two per launch, however many experts:
+//   route (workgroup 0) + stage 1 items | gate/up items (+ activation) | down items (+ weighted output)
 // Safety net: every spin is bounded (pc.spin_limit per barrier, pc.loop_budget in total, below lavapipe 22.3's loop
 // cap); a timeout sets the abort flag, every workgroup checks it at each barrier and ticket draw and leaves, and
 // the host re-runs the same inputs in split mode. The last workgroup out resets the tickets, so the next launch
@@ -49,9 +49,9 @@ bool run_phase(uint phase, uint items) {
 }
 
 void main() {
+    // Stage 1 needs no routing result (rows by (token, slot)): workgroup 0 routes, then joins the others.
     if (gl_WorkGroupID.x == 0u) moe_route();
-    bool ok = grid_barrier();
-    if (ok) ok = run_phase(1u, stage1_items());
+    bool ok = run_phase(1u, stage1_items());
     if (ok) ok = grid_barrier();
     if (ok) ok = run_phase(2u, routed_chunks() * gu_items_per_chunk());
     if (ok) ok = grid_barrier();

@@ -22,6 +22,10 @@
 // (not a parameter): arrays sized by specialization constants do not survive being passed by value.
 float gemm_acc[GEMM_ROWS * 2];
 
+// Where row r of A starts (uint words), set by the caller before gemm_accumulate: rows need not be evenly spaced
+// (the MoE gathers its rows by (token, slot)).
+uint gemm_row_base[GEMM_ROWS];
+
 void gemm_clear() {
     [[unroll]] for (int i = 0; i < GEMM_ROWS * 2; ++i) gemm_acc[i] = 0.0;
 }
@@ -45,10 +49,9 @@ void gemm_load_lane(int b_src, int K, uint index, out uint words[8]) {
 }
 
 // Accumulate gemm_acc[r * 2 + c] for rows r < nr, this invocation's two columns c, over its k-tiles.
-// a_base/a_stride are in uint words (a row of k fp16 values is k/2 words; a_base + 8 kt is 32-byte aligned);
-// b_base in uint words.
-void gemm_accumulate(const int a_src, int b_src, int K, const int cb,
-                     uint a_base, uint a_stride, uint nr,
+// Row r of A starts at gemm_row_base[r] (uint words; a row of k fp16 values is k/2 words, a multiple of 64, so
+// gemm_row_base[r] + 8 kt is 32-byte aligned); b_base in uint words.
+void gemm_accumulate(const int a_src, int b_src, int K, const int cb, uint nr,
                      uint b_base, uint tiles_n, uint band, uint kt0, uint kt1) {
     uint tid = gl_LocalInvocationID.x;
     uint q = tid & 7u, slot = tid >> 3;
@@ -90,7 +93,7 @@ void gemm_accumulate(const int a_src, int b_src, int K, const int cb,
 #endif
         [[unroll]] for (int r = 0; r < GEMM_ROWS; ++r) {
             if (uint(r) < nr) {
-                uint xa = a_base + uint(r) * a_stride + kt * 8u;
+                uint xa = gemm_row_base[r] + kt * 8u;
                 uvec4 xlo = gemm_a_word4(a_src, xa >> 2), xhi = gemm_a_word4(a_src, (xa >> 2) + 1u);
                 uint xw[8] = uint[8](xlo.x, xlo.y, xlo.z, xlo.w, xhi.x, xhi.y, xhi.z, xhi.w);
 #ifdef EXL3_F16

@@ -55,8 +55,10 @@ shared uint s_count[ROUTE_MAX_E];
 shared uint s_offset[ROUTE_MAX_E + 1];
 shared uint s_chunk0[ROUTE_MAX_E + 1];
 shared uint s_empty_tokens;
-shared uint s_scan_rows[WG_SIZE];   // per subgroup (at most WG_SIZE subgroups)
-shared uint s_scan_chunks[WG_SIZE];
+// Per-subgroup totals: at most 64 subgroups (vkmoe needs a subgroup size >= 4), which keeps the routing
+// shader inside the 16 KiB of shared memory Vulkan guarantees.
+shared uint s_scan_rows[64];
+shared uint s_scan_chunks[64];
 
 // One workgroup. Writes the chunk table, the sorted rows and each token's valid slot count, and zeroes the
 // output of tokens with no valid slot (nobody else writes those rows).
@@ -149,20 +151,24 @@ void moe_route() {
 #endif
 
 // ----------------------------------------------------------------------------- stage 1: gather + had_in
-uint stage1_items() { return (wg_uniform(route[0]) * (pc.H / 128u) + 1u) / 2u; }
+// Rows are indexed by (token, slot), f = t * top_k + slot, not by sorted position: stage 1 then needs only the
+// expert ids, not the routing tables, so it runs beside the routing (same dispatch / same phase) instead of
+// after it. The gate/up GEMM finds a sorted row's input through route_row_flat.
+uint stage1_items() { return (R() * (pc.H / 128u) + 1u) / 2u; }
 uint routed_chunks() { return wg_uniform(route[1]); }
 
 // Item u: (row, block) pairs 2u and 2u + 1; had rows: 2 * pair + (0 gate, 1 up).
 void moe_stage1(uint u) {
     uint tid = gl_LocalInvocationID.x;
-    uint blocks = pc.H / 128u, rows = wg_uniform(route[0]);
+    uint blocks = pc.H / 128u;
     for (uint i = tid; i < 4u * 128u; i += WG_SIZE) {
         uint pair = 2u * u + (i >> 8), proj = (i >> 7) & 1u, col = i & 127u;
-        uint p = pair / blocks, h = (pair % blocks) * 128u + col;
+        uint f = pair / blocks, h = (pair % blocks) * 128u + col;
         float v = 0.0;
-        if (p < rows && (GATED || proj == 1u)) {
-            uint t = route[route_row_flat(p)] / pc.top_k, e = route[route_row_expert(p)];
-            uint xe = t * pc.H + h, se = e * pc.H + h;
+        int e = f < R() ? expert_ids[f] : -1;
+        if (valid_expert(e) && (GATED || proj == 1u)) {
+            uint t = f / pc.top_k;
+            uint xe = t * pc.H + h, se = uint(e) * pc.H + h;
             float s = proj == 0u ? f16_at(gate_suh[se >> 1], se) : f16_at(up_suh[se >> 1], se);
             v = rn16(f16_at(hidden[xe >> 1], xe) * s);
         }
@@ -172,10 +178,11 @@ void moe_stage1(uint u) {
     had_fwht(4u);
     for (uint i = tid; i < 4u * 64u; i += WG_SIZE) {
         uint pair = 2u * u + (i >> 7), proj = (i >> 6) & 1u, c2 = (i & 63u) * 2u;
-        uint p = pair / blocks, h = (pair % blocks) * 128u + c2;
-        if (p < rows && (GATED || proj == 1u)) {
+        uint f = pair / blocks, h = (pair % blocks) * 128u + c2;
+        int e = f < R() ? expert_ids[f] : -1;
+        if (valid_expert(e) && (GATED || proj == 1u)) {
             uint b = (i >> 6) * 128u + c2;
-            states[((proj * R() + p) * pc.H + h) >> 1] = packHalf2x16(vec2(had_buf[b], had_buf[b + 1u]) * HAD_SCALE);
+            states[((proj * R() + f) * pc.H + h) >> 1] = packHalf2x16(vec2(had_buf[b], had_buf[b + 1u]) * HAD_SCALE);
         }
     }
     barrier();
@@ -261,12 +268,14 @@ void moe_gate_up(uint item) {
     uint nr = wg_uniform(route[route_chunk(c) + 2u]);
     uint tiles_k = pc.H / 16u, tiles_n = pc.I / 16u;
     uint kt0 = s * pc.kt_gu, kt1 = min(tiles_k, kt0 + pc.kt_gu);
-    uint a_base = (proj * R() + p0) * (pc.H / 2u);
+    // Each row's input lives at its (token, slot) index (see stage 1).
+    [[unroll]] for (int r = 0; r < GEMM_ROWS; ++r)
+        gemm_row_base[r] = (proj * R() + route[route_row_flat(p0 + min(uint(r), nr - 1u))]) * (pc.H / 2u);
     gemm_clear();
     // One call, not one per projection in an if/else: Mesa 22.3's lavapipe skips a loop inside a branch of a
     // shader with barriers. K folds to a constant when gate and up share their bit width.
     int k_bits = proj == 0u ? K_GATE : K_UP;
-    gemm_accumulate(0, int(proj), k_bits, CB, a_base, pc.H / 2u, nr, e * tiles_k * tiles_n * 8u * uint(k_bits), tiles_n, band, kt0, kt1);
+    gemm_accumulate(0, int(proj), k_bits, CB, nr, e * tiles_k * tiles_n * 8u * uint(k_bits), tiles_n, band, kt0, kt1);
     uint base = (proj * pc.splits_gu + s) * R() * pc.I;
     if (gemm_finish_partial(base, pc.I, p0, nr, band, counters_gu() + c * (pc.I / 128u) + band,
                             gu_projections() * pc.splits_gu))
@@ -331,8 +340,9 @@ void moe_down(uint item) {
     uint nr = wg_uniform(route[route_chunk(c) + 2u]);
     uint tiles_k = pc.I / 16u, tiles_n = pc.H / 16u;
     uint kt0 = s * pc.kt_d, kt1 = min(tiles_k, kt0 + pc.kt_d);
+    [[unroll]] for (int r = 0; r < GEMM_ROWS; ++r) gemm_row_base[r] = (p0 + uint(r)) * (pc.I / 2u);
     gemm_clear();
-    gemm_accumulate(1, 2, K_DOWN, CB, p0 * (pc.I / 2u), pc.I / 2u, nr, e * tiles_k * tiles_n * 8u * uint(K_DOWN), tiles_n, band, kt0, kt1);
+    gemm_accumulate(1, 2, K_DOWN, CB, nr, e * tiles_k * tiles_n * 8u * uint(K_DOWN), tiles_n, band, kt0, kt1);
     if (gemm_finish_partial(s * R() * pc.H, pc.H, p0, nr, band, counters_d() + c * (pc.H / 128u) + band, pc.splits_d))
         moe_stage5(e, p0, nr, band);
 }

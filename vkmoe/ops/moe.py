@@ -231,14 +231,12 @@ class Exl3MoeMlp:
         plan, dev = scratch.plan, self.device
         spec, push = self._spec(plan), self._push(plan)
         route = kernels.pipeline(dev, "moe_route", MoePush, spec, binding_count=MOE_BINDINGS)
-        stage1 = kernels.pipeline(dev, "moe_stage1", MoePush, spec, binding_count=MOE_BINDINGS)
         gate_up = kernels.pipeline(dev, "moe_gate_up", MoePush, spec, decode=True, binding_count=MOE_BINDINGS)
         down = kernels.pipeline(dev, "moe_down", MoePush, spec, decode=True, binding_count=MOE_BINDINGS)
-        cmd.dispatch(route, route.bind(*buffers), 1, push)
-        cmd.barrier()
-        items = -(-plan.R * (self.H // 128) // 2)
-        x = min(items, 65535)
-        cmd.dispatch(stage1, stage1.bind(*buffers), (x, -(-items // x)), push)
+        # routing (workgroup 0) and stage 1 (the rest) in one dispatch
+        groups = 1 + -(-plan.R * (self.H // 128) // 2)
+        x = min(groups, 65535)
+        cmd.dispatch(route, route.bind(*buffers), (x, -(-groups // x)), push)
         cmd.barrier()
         gu_x = (self.I // 128) * (2 if self.gated else 1) * plan.splits_gu
         cmd.dispatch(gate_up, gate_up.bind(*buffers), (gu_x, plan.max_chunks), push)

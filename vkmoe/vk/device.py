@@ -283,6 +283,8 @@ class Device:
         self.missing_subgroup_ops = [n for n, bit in needed.items() if not self.subgroup_operations & bit]
         if not self.subgroup_compute:
             self.missing_subgroup_ops.append("compute stage")
+        if self.min_subgroup_size < 4:  # routing keeps per-subgroup totals for at most 64 subgroups of 256
+            self.missing_subgroup_ops.append("subgroup size >= 4")
 
     @property
     def is_lavapipe(self):
