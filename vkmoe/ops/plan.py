@@ -1,4 +1,5 @@
 """How GEMM work is cut into workgroups: rows per pass, k-splits, and the loop-cap bound on lavapipe 22.3."""
+import os
 from dataclasses import dataclass
 
 # Per-invocation k-loop iterations allowed on drivers that silently stop long loops (lavapipe 22.3 stops at
@@ -17,8 +18,6 @@ class GemmPlan:
 
 def default_target_workgroups(device):
     """How many workgroups a GEMM dispatch aims for: VKMOE_GEMM_WG_PER_CU (default 4) per compute unit."""
-    import os
-
     per_cu = int(os.environ.get("VKMOE_GEMM_WG_PER_CU", "4"))
     return max(1, per_cu) * (device.compute_units or 16)
 
@@ -72,7 +71,13 @@ def _splits(device, tiles_k, work, target):
 def moe_plan(device, m, top_k, E, H, I, gated, target_workgroups=None):
     R = m * top_k
     active = min(E, R)
-    rows = rows_for(-(-R // max(1, active)))
+    forced = os.environ.get("VKMOE_MOE_ROWS")  # tuning knob: rows per expert chunk (1, 4, 8 or 16)
+    if forced:
+        if forced not in ("1", "4", "8", "16"):
+            raise ValueError(f"VKMOE_MOE_ROWS={forced!r}: expected 1, 4, 8 or 16")
+        rows = int(forced)
+    else:
+        rows = rows_for(-(-R // max(1, active)))
     max_chunks = active + -(-R // rows)
     expected_chunks = max(active, -(-R // rows))
     if target_workgroups is None:
