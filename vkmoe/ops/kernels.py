@@ -35,7 +35,8 @@ def decode_variant(device):
         raise ValueError(f"VKMOE_DECODE={choice!r}: expected auto, f16 or fp32")
     if not uses_idot(device):
         return ""
-    if choice != "fp32" and device.features.get("shaderFloat16") and device.subgroup_size >= 8:
+    if (choice != "fp32" and device.features.get("shaderFloat16") and device.subgroup_size >= 8
+            and device.quirks.get("subgroups_linear")):  # the f16 build shuffles the wrap word between lanes
         return "f16"
     return "idot"
 

@@ -88,14 +88,35 @@ def measure_f16_fma_fused(device):
     return bool(np.array_equal(got, exact.astype(np.float16).view(np.uint16)))
 
 
+def measure_subgroups_linear(device):
+    """True when a 256-invocation workgroup's subgroups are laid out linearly over its invocations."""
+    from .commands import CommandRecorder
+    from .pipeline import Pipeline
+
+    pipe = Pipeline(device, "subgroup_layout_probe")
+    buf = device.memory.allocate(4 * 256)
+    try:
+        buf.upload(np.zeros(256, np.uint32))
+        with CommandRecorder(device) as rec:
+            rec.begin()
+            rec.dispatch(pipe, pipe.bind(buf), 1)
+            rec.end()
+            rec.submit(wait=True, timeout=60)
+        return bool(buf.download(np.uint32).all())
+    finally:
+        buf.close()
+        pipe.close()
+
+
 def detect_quirks(device, refresh=False):
     key = device.identity
     with _lock:
         entries = _load()
-        if not refresh and key in entries and "f16_fma_fused" in entries[key]:
+        if not refresh and key in entries and "subgroups_linear" in entries[key]:
             return entries[key]
     quirks = {"loop_iteration_cap": measure_loop_iteration_cap(device),
-              "f16_fma_fused": measure_f16_fma_fused(device)}
+              "f16_fma_fused": measure_f16_fma_fused(device),
+              "subgroups_linear": measure_subgroups_linear(device)}
     with _lock:
         entries = _load()
         entries[key] = quirks
