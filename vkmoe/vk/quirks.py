@@ -35,32 +35,38 @@ def _store(entries):
     os.replace(tmp, _cache_path())
 
 
+def _run_probe_shader(device, shader, words, groups, push=None):
+    """Run a one-buffer probe shader over `words` (uint32, uploaded first) and return the buffer afterwards."""
+    from .commands import CommandRecorder
+    from .pipeline import Pipeline
+
+    pipe = Pipeline(device, shader, push=type(push) if push is not None else None)
+    buf = device.memory.allocate(4 * len(words))
+    try:
+        buf.upload(np.asarray(words, dtype=np.uint32))
+        with CommandRecorder(device) as rec:
+            rec.begin()
+            rec.dispatch(pipe, pipe.bind(buf), groups, push)
+            rec.end()
+            rec.submit(wait=True, timeout=60)
+        return buf.download(np.uint32)
+    finally:
+        buf.close()
+        pipe.close()
+
+
 def measure_loop_iteration_cap(device):
     """Run one invocation through a loop of PROBE_ITERATIONS; return the iteration count where the driver
     stopped it, or None when the loop ran to the end."""
-    from .commands import CommandRecorder
-    from .pipeline import Pipeline, PushConstants
+    from .pipeline import PushConstants
 
     class LoopProbePush(PushConstants):
         fields = [("iterations", "<u4")]
 
-    pipe = Pipeline(device, "loop_probe", push=LoopProbePush)
-    buf = device.memory.allocate(4 * 1026)
-    try:
-        init = np.full(1026, 0xFFFFFFFF, dtype=np.uint32)
-        init[1024:] = 0
-        buf.upload(init)
-        dset = pipe.bind(buf)
-        with CommandRecorder(device) as rec:
-            rec.begin()
-            rec.dispatch(pipe, dset, 1, pipe.push(iterations=PROBE_ITERATIONS))
-            rec.end()
-            rec.submit(wait=True, timeout=60)
-        ran = int(buf.download(np.uint32)[1024])
-        return None if ran >= PROBE_ITERATIONS else ran
-    finally:
-        buf.close()
-        pipe.close()
+    init = np.full(1026, 0xFFFFFFFF, dtype=np.uint32)  # 1024 words the exit test reads, then the result
+    init[1024:] = 0
+    ran = int(_run_probe_shader(device, "loop_probe", init, 1, LoopProbePush(iterations=PROBE_ITERATIONS))[1024])
+    return None if ran >= PROBE_ITERATIONS else ran
 
 
 def measure_f16_fma_fused(device):
@@ -68,55 +74,28 @@ def measure_f16_fma_fused(device):
     fp16 mul1 decode gives the CUDA arm's exact bits; None when the device has no fp16 arithmetic."""
     if not device.features.get("shaderFloat16"):
         return None
-    from .commands import CommandRecorder
-    from .pipeline import Pipeline
-
-    pipe = Pipeline(device, "f16_fma_probe")
-    buf = device.memory.allocate(4 * 1024)
-    try:
-        buf.upload(np.zeros(1024, np.uint32))
-        with CommandRecorder(device) as rec:
-            rec.begin()
-            rec.dispatch(pipe, pipe.bind(buf), 16)
-            rec.end()
-            rec.submit(wait=True, timeout=60)
-        got = buf.download(np.uint32)[:1021].astype(np.uint16)
-    finally:
-        buf.close()
-        pipe.close()
+    got = _run_probe_shader(device, "f16_fma_probe", np.zeros(1024, np.uint32), 16)[:1021].astype(np.uint16)
     exact = ((1024 + np.arange(1021)) * 1774 - 2721792).astype(np.float64) * 2.0 ** -18  # (1024+B)*c1 + c0
     return bool(np.array_equal(got, exact.astype(np.float16).view(np.uint16)))
 
 
 def measure_subgroups_linear(device):
     """True when a 256-invocation workgroup's subgroups are laid out linearly over its invocations."""
-    from .commands import CommandRecorder
-    from .pipeline import Pipeline
+    return bool(_run_probe_shader(device, "subgroup_layout_probe", np.zeros(256, np.uint32), 1).all())
 
-    pipe = Pipeline(device, "subgroup_layout_probe")
-    buf = device.memory.allocate(4 * 256)
-    try:
-        buf.upload(np.zeros(256, np.uint32))
-        with CommandRecorder(device) as rec:
-            rec.begin()
-            rec.dispatch(pipe, pipe.bind(buf), 1)
-            rec.end()
-            rec.submit(wait=True, timeout=60)
-        return bool(buf.download(np.uint32).all())
-    finally:
-        buf.close()
-        pipe.close()
+
+MEASUREMENTS = {"loop_iteration_cap": measure_loop_iteration_cap, "f16_fma_fused": measure_f16_fma_fused,
+                "subgroups_linear": measure_subgroups_linear}
 
 
 def detect_quirks(device, refresh=False):
     key = device.identity
     with _lock:
         entries = _load()
-        if not refresh and key in entries and "subgroups_linear" in entries[key]:
+        # an entry written before a quirk existed is measured again
+        if not refresh and key in entries and set(MEASUREMENTS) <= set(entries[key]):
             return entries[key]
-    quirks = {"loop_iteration_cap": measure_loop_iteration_cap(device),
-              "f16_fma_fused": measure_f16_fma_fused(device),
-              "subgroups_linear": measure_subgroups_linear(device)}
+    quirks = {name: measure(device) for name, measure in MEASUREMENTS.items()}
     with _lock:
         entries = _load()
         entries[key] = quirks
