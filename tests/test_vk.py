@@ -218,3 +218,13 @@ print((r1 - r0) // 1024)
     assert out.returncode == 0, out.stderr[-2000:]
     grown_mib = int(out.stdout.strip().splitlines()[-1])
     assert grown_mib < 64, f"RSS grew {grown_mib} MiB over 200 device cycles"
+
+
+def test_failed_pipeline_creation_leaks_nothing():
+    # Under VKMOE_VALIDATION=1 (make test) destroying the device reports any object a failed constructor left.
+    dev = vkmoe.Device()
+    dev.take_validation_messages()
+    with pytest.raises(vkmoe.VkmoeError, match="specialization constant id 7"):
+        Pipeline(dev, "test_saxpy", push=SaxpyPush, spec={7: 1})
+    dev.close()
+    assert dev.take_validation_messages() == []

@@ -98,6 +98,17 @@ class Pipeline:
         self.spec = dict(spec or {})
         self._allow_unused_spec = allow_unused_spec
         h = device.handle
+        self.handle = self.layout = self.set_layout = self._module = None
+        try:
+            self._create_objects(code, given, required_subgroup_size)
+        except BaseException:
+            self._destroy_objects()  # a failed constructor must not leak what it already created
+            raise
+        self._pool = _DescriptorPools(device, self.binding_count)
+        device.track(self)
+
+    def _create_objects(self, code, given, required_subgroup_size):
+        h = self.device.handle
         self._module = call("vkCreateShaderModule", vk.vkCreateShaderModule, h, vk.VkShaderModuleCreateInfo(
             sType=vk.VK_STRUCTURE_TYPE_SHADER_MODULE_CREATE_INFO, codeSize=len(code), pCode=code), None)
         bindings = [vk.VkDescriptorSetLayoutBinding(binding=i, descriptorType=vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER,
@@ -112,8 +123,18 @@ class Pipeline:
             sType=vk.VK_STRUCTURE_TYPE_PIPELINE_LAYOUT_CREATE_INFO, setLayoutCount=1, pSetLayouts=[self.set_layout],
             pushConstantRangeCount=len(ranges), pPushConstantRanges=ranges or None), None)
         self._create_pipeline(required_subgroup_size)
-        self._pool = _DescriptorPools(device, self.binding_count)
-        device.track(self)
+
+    def _destroy_objects(self):
+        h = self.device.handle
+        if self.handle is not None:
+            vk.vkDestroyPipeline(h, self.handle, None)
+        if self.layout is not None:
+            vk.vkDestroyPipelineLayout(h, self.layout, None)
+        if self.set_layout is not None:
+            vk.vkDestroyDescriptorSetLayout(h, self.set_layout, None)
+        if self._module is not None:
+            vk.vkDestroyShaderModule(h, self._module, None)
+        self.handle = self.layout = self.set_layout = self._module = None
 
     def _create_pipeline(self, required_subgroup_size):
         declared = self.interface.spec_constants
@@ -184,13 +205,8 @@ class Pipeline:
     def close(self):
         if self.handle is None:
             return
-        h = self.device.handle
         self._pool.close()
-        vk.vkDestroyPipeline(h, self.handle, None)
-        vk.vkDestroyPipelineLayout(h, self.layout, None)
-        vk.vkDestroyDescriptorSetLayout(h, self.set_layout, None)
-        vk.vkDestroyShaderModule(h, self._module, None)
-        self.handle = None
+        self._destroy_objects()
         self.device.untrack(self)
 
 
