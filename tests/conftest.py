@@ -17,13 +17,24 @@ def device():
     dev.close()
 
 
+@pytest.fixture(scope="module")
+def dev():
+    """A device of the test module's own, for modules that probe, time out or close things on purpose."""
+    import vkmoe
+
+    d = vkmoe.Device()
+    d.take_validation_messages()
+    yield d
+    d.close()
+
+
 @pytest.fixture(autouse=True)
 def _no_validation_messages(request):
     yield
-    if "device" in request.fixturenames:
-        dev = request.getfixturevalue("device")
-        messages = dev.take_validation_messages()
-        assert not messages, f"validation layer reported {len(messages)} message(s): {messages[:3]}"
+    for name in ("device", "dev"):
+        if name in request.fixturenames:
+            messages = request.getfixturevalue(name).take_validation_messages()
+            assert not messages, f"validation layer reported {len(messages)} message(s): {messages[:3]}"
 
 
 def pytest_report_header(config):

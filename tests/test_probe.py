@@ -25,13 +25,6 @@ def _probe_cli(*args, threads=None, cache_dir=None, timeout=120):
                           env=env, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.fixture(scope="module")
-def dev():
-    d = vkmoe.Device()
-    d.take_validation_messages()
-    yield d
-    d.close()
-
 
 def _is_lavapipe():
     with vkmoe.Device() as d:

@@ -22,13 +22,6 @@ class SpinPush(PushConstants):
     fields = [("iterations", "<u4")]
 
 
-@pytest.fixture(scope="module")
-def dev():
-    d = vkmoe.Device()
-    d.take_validation_messages()
-    yield d
-    d.close()
-
 
 @pytest.fixture(autouse=True)
 def no_validation_messages(dev):
