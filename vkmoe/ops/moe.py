@@ -326,7 +326,12 @@ class Exl3MoeMlp:
 
     # -------------------------------------------------------------------------------------------- forward
     def __call__(self, hidden, expert_ids, expert_weights, dispatch=None):
-        m, top_k = self._check_inputs(hidden, expert_ids, expert_weights)
+        self._check_inputs(hidden, expert_ids, expert_weights)
+        return self._forward(hidden, expert_ids, expert_weights, dispatch)
+
+    def _forward(self, hidden, ids, weights, dispatch):
+        """Run checked inputs (ids outside [0, E) are skipped on the device) in the resolved dispatch mode."""
+        m, top_k = ids.shape
         mode = parse_dispatch(dispatch if dispatch is not None else self._dispatch_arg)
         if m == 0:
             self.last_run = {"mode": "none", "requested": mode, "reason": "m = 0: nothing to run",
@@ -335,8 +340,8 @@ class Exl3MoeMlp:
             return np.zeros((0, self.H), np.float32)
         from ..sched.launch import run_forward  # the persistent/split decision and the fallback
 
-        return run_forward(self, mode, np.ascontiguousarray(hidden), np.ascontiguousarray(expert_ids, np.int32),
-                           np.ascontiguousarray(expert_weights, np.float32), m, top_k)
+        return run_forward(self, mode, np.ascontiguousarray(hidden), np.ascontiguousarray(ids, np.int32),
+                           np.ascontiguousarray(weights, np.float32), m, top_k)
 
     def _io_for(self, m, top_k):
         key = (m, top_k)
@@ -425,15 +430,9 @@ class Exl3MoeMlp:
         return self._call_with_skips(hidden, ids, weights, dispatch)
 
     def _call_with_skips(self, hidden, ids, weights, dispatch):
-        m, top_k = ids.shape
         if hidden.dtype != np.float16 or hidden.shape[1] != self.H:
             raise ValueError(f"hidden must be (m, {self.H}) float16")
-        if m == 0:
-            return np.zeros((0, self.H), np.float32)
-        from ..sched.launch import run_forward
-
-        mode = parse_dispatch(dispatch if dispatch is not None else self._dispatch_arg)
-        return run_forward(self, mode, np.ascontiguousarray(hidden), ids.astype(np.int32), weights, m, top_k)
+        return self._forward(hidden, ids, weights, dispatch)
 
     def close(self):
         for rec in self._recorded.values():
