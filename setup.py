@@ -16,6 +16,27 @@ SHADER_DIR = os.path.join(HERE, "shaders")
 SPV_DIR = os.path.join(HERE, "vkmoe", "_spv")
 # Vulkan 1.2 SPIR-V 1.5 is the floor: the Vulkan memory model (device-scope acquire/release) needs it.
 GLSLC_FLAGS = ["--target-env=vulkan1.2", "-O", "-I", os.path.join(SHADER_DIR, "include")]
+LAYOUT_MODULE = os.path.join(HERE, "vkmoe", "layout.py")
+LAYOUT_HEADER = os.path.join(SHADER_DIR, "include", "generated", "moe_layout.glsl")
+
+
+def write_layout_header():
+    """Generate the shaders' copy of the launch contract from vkmoe/layout.py (loaded by path: the package
+    itself may not be importable yet). Rewritten only when its text changes, so its mtime says when the
+    shaders that include it need rebuilding."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_vkmoe_layout", LAYOUT_MODULE)
+    layout = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(layout)
+    text = layout.glsl_header()
+    if os.path.exists(LAYOUT_HEADER):
+        with open(LAYOUT_HEADER) as f:
+            if f.read() == text:
+                return
+    os.makedirs(os.path.dirname(LAYOUT_HEADER), exist_ok=True)
+    with open(LAYOUT_HEADER, "w") as f:
+        f.write(text)
 
 
 def shader_variants(src):
@@ -36,8 +57,9 @@ def compile_shaders(force=False, verbose=True):
     """Compile every shaders/*.comp (and its variants) that is older than its source or any include.
     Returns the number of SPIR-V files built."""
     glslc = shutil.which("glslc")
+    write_layout_header()
     sources = sorted(glob.glob(os.path.join(SHADER_DIR, "*.comp")))
-    includes = glob.glob(os.path.join(SHADER_DIR, "include", "*.glsl"))
+    includes = glob.glob(os.path.join(SHADER_DIR, "include", "**", "*.glsl"), recursive=True)
     newest_include = max((os.path.getmtime(p) for p in includes), default=0.0)
     os.makedirs(SPV_DIR, exist_ok=True)
     built = 0

@@ -4,7 +4,7 @@
 #include <stdint.h>
 
 /* One EXL3 linear. lut: the 65536 decoded codebook values (GPU form, as fp32) for the scalar path;
-   codebook: 0 = 3inst, 1 = mcg, 2 = mul1 (used by the SIMD path, which decodes arithmetically).
+   codebook: VKN_CB_* (used by the SIMD path, which decodes arithmetically).
    suh/svh/bias are fp32 copies; bias may be NULL. */
 typedef struct {
     const uint16_t *trellis;
@@ -15,6 +15,9 @@ typedef struct {
     int k, n, bits, codebook;
 } vkn_tensor;
 
+/* Codes shared with the shaders: vkmoe/layout.py owns them (ACTIVATIONS, CODEBOOKS); tests/test_layout.py
+   checks these copies. */
+enum { VKN_CB_3INST = 0, VKN_CB_MCG = 1, VKN_CB_MUL1 = 2 };
 enum { VKN_ACT_SILU = 0, VKN_ACT_GELU = 1, VKN_ACT_RELU2 = 2, VKN_ACT_SWIGLU_OAI = 3, VKN_ACT_GELU_ERF = 4 };
 enum { VKN_ISA_SCALAR = 0, VKN_ISA_AVX512 = 2, VKN_ISA_AVX512_VNNI = 3 };
 

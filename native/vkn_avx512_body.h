@@ -25,7 +25,7 @@ AVX512_TARGET INLINE __m512 N(round_f16)(__m512 v)
 /* GPU-form codebook on 16 states (spec section 3), exact. */
 AVX512_TARGET INLINE __m512 N(decode16)(__m512i s, int cb)
 {
-    if (cb == 2) {
+    if (cb == VKN_CB_MUL1) {
         __m512i x = _mm512_mullo_epi32(s, _mm512_set1_epi32((int32_t)0x83DCD12Du));
 #if VKN_VNNI
         __m512i B = _mm512_dpbusd_epi32(_mm512_setzero_si512(), x, _mm512_set1_epi32(0x01010101));
@@ -40,7 +40,7 @@ AVX512_TARGET INLINE __m512 N(decode16)(__m512i s, int cb)
         return N(round_f16)(v);
     }
     __m512i x;
-    if (cb == 1)
+    if (cb == VKN_CB_MCG)
         x = _mm512_mullo_epi32(s, _mm512_set1_epi32((int32_t)0xCBAC1FEDu));
     else
         x = _mm512_add_epi32(_mm512_mullo_epi32(s, _mm512_set1_epi32(89226354)), _mm512_set1_epi32(64248484));

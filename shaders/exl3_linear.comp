@@ -8,10 +8,11 @@
 #define WG_SIZE 256u
 #define HAD_ROWS 4u
 layout(local_size_x = 256) in;
-layout(constant_id = 0) const int K = 4;
-layout(constant_id = 1) const int CB = 2;
-layout(constant_id = 2) const int GEMM_ROWS = 16;
-layout(constant_id = 3) const bool HAS_BIAS = false;
+#include "generated/moe_layout.glsl"
+layout(constant_id = SPEC_LINEAR_K) const int K = 4;
+layout(constant_id = SPEC_LINEAR_CB) const int CB = 2;
+layout(constant_id = SPEC_LINEAR_ROWS) const int GEMM_ROWS = 16;
+layout(constant_id = SPEC_LINEAR_HAS_BIAS) const bool HAS_BIAS = false;
 
 layout(std430, binding = 0) readonly buffer XH { uint xh[]; };       // (m, k) fp16, input Hadamard applied
 layout(std430, binding = 1) readonly buffer Trellis { uint trellis[]; };
@@ -20,8 +21,9 @@ layout(std430, binding = 1) readonly buffer Trellis4 { uvec4 trellis4[]; };
 layout(std430, binding = 2) readonly buffer Svh { uint svh[]; };     // (n,) fp16
 layout(std430, binding = 3) readonly buffer Bias { uint bias[]; };   // (n,) fp16 (unused without HAS_BIAS)
 layout(std430, binding = 4) writeonly buffer Y { uint y[]; };        // (m, n) fp16
-layout(std430, binding = 5) buffer Partial { float partial[]; };     // (splits, m, n) fp32
-layout(std430, binding = 6) buffer Counters { uint counters[]; };    // one per (row chunk, band), start at 0
+// Written and read by different workgroups of the dispatch: nonprivate, so that release/acquire covers them.
+layout(std430, binding = 5) nonprivate buffer Partial { float partial[]; };   // (splits, m, n) fp32
+layout(std430, binding = 6) nonprivate buffer Counters { uint counters[]; };  // one per (row chunk, band), start at 0
 layout(push_constant) uniform Push { uint m; uint k; uint n; uint splits; uint kt_per_split; } pc;
 
 uint gemm_a_word(const int src, uint index) { return xh[index]; }
@@ -31,8 +33,8 @@ uvec4 gemm_b_word4(int src, uint index) { return trellis4[index]; }
 #include "exl3_decode.glsl"
 #include "hadamard128.glsl"
 #include "exl3_gemm.glsl"
-
-shared bool s_last;
+#define LAST_ARRIVAL_BUF counters
+#include "last_arrival.glsl"
 
 void main() {
     uint tid = gl_LocalInvocationID.x;
@@ -46,26 +48,8 @@ void main() {
     gemm_clear();
     gemm_accumulate(0, 0, K, CB, nr, 0u, tiles_n, band, kt0, kt1);
 
-    for (uint r0 = 0u; r0 < nr; r0 += 4u) {
-        barrier();
-        gemm_stage_rows(r0);
-        barrier();
-        for (uint i = tid; i < 4u * 128u; i += WG_SIZE) {
-            uint rr = i >> 7, col = i & 127u;
-            if (r0 + rr < nr)
-                partial[(split * pc.m + row0 + r0 + rr) * pc.n + band * 128u + col] = gemm_red_sum(rr, col);
-        }
-    }
-    WG_BARRIER_DEVICE();
-    if (tid == 0u) {
-        uint c = chunk * (pc.n / 128u) + band;
-        uint arrived = atomicAdd(counters[c], 1u, gl_ScopeQueueFamily, gl_StorageSemanticsBuffer,
-                                 gl_SemanticsAcquireRelease);
-        s_last = arrived == pc.splits - 1u;
-        if (s_last) atomicStore(counters[c], 0u, gl_ScopeQueueFamily, gl_StorageSemanticsBuffer, gl_SemanticsRelaxed);
-    }
-    WG_BARRIER_DEVICE();
-    if (!s_last) return;
+    if (!gemm_finish_partial(split * pc.m * pc.n, pc.n, row0, nr, band, chunk * (pc.n / BAND) + band, pc.splits))
+        return;
 
     for (uint r0 = 0u; r0 < nr; r0 += 4u) {
         for (uint i = tid; i < 4u * 128u; i += WG_SIZE) {

@@ -14,7 +14,10 @@ from vkmoe.exl3 import Exl3Tensor
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GOLDEN_DIR = os.environ.get("VKMOE_GOLDEN_DIR") or os.path.normpath(os.path.join(_REPO, "..", "shared", "golden"))
-ACTIVATION_NAMES = {0: "silu", 1: "gelu", 2: "relu2", 3: "swiglu_oai"}
+from vkmoe.layout import ACTIVATIONS
+
+# The goldens store exllamav3's MOE_ACT_* ids, which vkmoe's ACT_* ids follow.
+ACTIVATION_NAMES = {value: name for name, value in ACTIVATIONS.items()}
 
 
 def golden_files() -> list:

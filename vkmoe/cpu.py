@@ -20,14 +20,14 @@ except ImportError as exc:  # pragma: no cover - exercised only on unbuilt check
     ) from exc
 
 from .exl3 import Exl3Tensor
+from .layout import ACTIVATIONS as _ACT
+from .layout import CODEBOOKS as _CB_INDEX
 from .exl3.decode import CODEBOOKS, _as_trellis, codebook_table
 from .exl3.reference import validate_moe_args
 
 __all__ = ["dequantize", "linear", "moe_forward", "isa", "isa_tiers", "set_max_isa"]
 
 _ffi, _lib = _native.ffi, _native.lib
-_ACT = {"silu": 0, "gelu": 1, "relu2": 2, "swiglu_oai": 3, "gelu_erf": 4}
-_CB_INDEX = {"3inst": 0, "mcg": 1, "mul1": 2}
 _ISA_NAMES = {0: "scalar", 2: "avx512", 3: "avx512_vnni"}
 _LUT32: dict = {}
 

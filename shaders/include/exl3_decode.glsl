@@ -10,9 +10,7 @@
 #ifndef EXL3_DECODE_GLSL
 #define EXL3_DECODE_GLSL
 
-#define CB_3INST 0
-#define CB_MCG 1
-#define CB_MUL1 2
+#include "generated/moe_layout.glsl"  // CB_*, SPEC_F16_FMA_FUSED
 
 #ifdef EXL3_IDOT
 // OpUDot with the 4x8-bit packed format: the byte sum of a word in one instruction (PERF-NOTES item 1).
@@ -81,7 +79,7 @@ void decode_lane(const int K, const int cb, uint words[8], uint prev, out float 
 // mul1: the fused fp16 fma of the CUDA arm is exact only where the driver really fuses it (quirk
 // f16_fma_fused, measured); elsewhere the exact fp32 form is rounded once to fp16.
 #extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
-layout(constant_id = 15) const bool F16_FMA_FUSED = false;
+layout(constant_id = SPEC_F16_FMA_FUSED) const bool F16_FMA_FUSED = false;
 
 void decode_lane_h(const int K, const int cb, uint words[8], uint prev, out f16vec2 hv[16]) {
     uint w[9];

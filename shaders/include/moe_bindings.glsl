@@ -2,19 +2,16 @@
 // persistent kernel), so one descriptor set serves them all.
 #ifndef MOE_BINDINGS_GLSL
 #define MOE_BINDINGS_GLSL
+// Ids, codes and word offsets below come from vkmoe/layout.py, through the generated header.
+#include "generated/moe_layout.glsl"
 
-layout(constant_id = 0) const int K_GATE = 4;
-layout(constant_id = 1) const int K_UP = 4;
-layout(constant_id = 2) const int K_DOWN = 4;
-layout(constant_id = 3) const int CB = 2;          // codebook of all three projections (CB_* in exl3_decode)
-layout(constant_id = 4) const int GEMM_ROWS = 4;   // rows per GEMM pass = rows per expert chunk
-layout(constant_id = 5) const int ACT = 0;         // ACT_* below
+layout(constant_id = SPEC_MOE_K_GATE) const int K_GATE = 4;
+layout(constant_id = SPEC_MOE_K_UP) const int K_UP = 4;
+layout(constant_id = SPEC_MOE_K_DOWN) const int K_DOWN = 4;
+layout(constant_id = SPEC_MOE_CB) const int CB = 2;          // codebook of all three projections (CB_*)
+layout(constant_id = SPEC_MOE_ROWS) const int GEMM_ROWS = 4;   // rows per GEMM pass = rows per expert chunk
+layout(constant_id = SPEC_MOE_ACT) const int ACT = 0;         // ACT_*
 
-#define ACT_SILU 0
-#define ACT_GELU 1
-#define ACT_RELU2 2
-#define ACT_SWIGLU_OAI 3
-#define ACT_GELU_ERF 4
 #define GATED (ACT != ACT_RELU2)
 
 // fp16 data are uint words holding two values. Buffers written and read by different workgroups of one
@@ -58,21 +55,16 @@ layout(push_constant) uniform MoePush {
     uint loop_budget;        // persistent kernel: spin iterations allowed in total (below a driver loop cap)
 } pc;
 
-// Layout of the sync buffer (words). Counters reset themselves; the host zero-fills once at creation and
-// again only after an aborted persistent launch.
-#define SYNC_ABORT 0u
-#define SYNC_BARRIER 2u        // [2] arrivals, [3] generation
-#define SYNC_TICKETS 4u        // [4 + phase] ticket counters of phases 1..3
-#define SYNC_RETIRED 8u        // workgroups done (the last one resets the tickets)
-#define SYNC_COUNTERS 16u      // arrival counters: gate/up bands, down bands, token bands
-uint counters_gu() { return SYNC_COUNTERS; }                                   // max_chunks * I/128
-uint counters_d() { return SYNC_COUNTERS + pc.max_chunks * (pc.I / 128u); }   // max_chunks * H/128
-uint counters_tok() { return counters_d() + pc.max_chunks * (pc.H / 128u); }  // m * H/128
+// The sync buffer (SYNC_* words, layout.py): the abort word, the grid barrier, tickets, then arrival counters.
+uint counters_gu() { return SYNC_COUNTERS; }                                   // max_chunks * I/BAND
+uint counters_d() { return SYNC_COUNTERS + pc.max_chunks * (pc.I / BAND); }   // max_chunks * H/BAND
+uint counters_tok() { return counters_d() + pc.max_chunks * (pc.H / BAND); }  // m * H/BAND
 
 uint R() { return pc.m * pc.top_k; }
-uint route_chunk(uint c) { return 16u + 3u * c; }
-uint route_row_flat(uint p) { return 16u + 3u * pc.max_chunks + p; }
-uint route_row_expert(uint p) { return 16u + 3u * pc.max_chunks + R() + p; }
-uint route_valid(uint t) { return 16u + 3u * pc.max_chunks + 2u * R() + t; }
+uint route_chunk(uint c) { return ROUTE_HEADER + ROUTE_CHUNK_WORDS * c; }
+uint route_rows_base() { return ROUTE_HEADER + ROUTE_CHUNK_WORDS * pc.max_chunks; }
+uint route_row_flat(uint p) { return route_rows_base() + p; }
+uint route_row_expert(uint p) { return route_rows_base() + R() + p; }
+uint route_valid(uint t) { return route_rows_base() + 2u * R() + t; }
 
 #endif

@@ -34,8 +34,7 @@ bool valid_expert(int e) { return e >= 0 && uint(e) < pc.E; }
 // Mesa 22.3's lavapipe silently drops the rest of a shader after some loops whose trip count differs between
 // the invocations of a workgroup (seen in routing: a nested loop in a one-invocation branch, and strided loops
 // over a count read from shared memory). Routing therefore uses loops with the same trip count in every
-// invocation and guards the body; loops over a token's slots are unrolled to MAX_TOP_K.
-#define MAX_TOP_K 32
+// invocation and guards the body; loops over a token's slots are unrolled to MAX_TOP_K (layout.py).
 
 uint valid_slots(uint t) {
     uint n = 0u;
@@ -49,7 +48,7 @@ uint valid_slots(uint t) {
 // Fixed sizes, not specialization constants: Mesa 22.3's lavapipe lays out shared arrays sized by
 // specialization constants inconsistently (they overlapped). The includer may lower ROUTE_MAX_E.
 #ifndef ROUTE_MAX_E
-#define ROUTE_MAX_E 1024
+#define ROUTE_MAX_E ROUTE_MAX_EXPERTS
 #endif
 shared uint s_count[ROUTE_MAX_E];
 shared uint s_offset[ROUTE_MAX_E + 1];
@@ -102,8 +101,8 @@ void moe_route() {
     if (tid == 0u) {
         s_offset[pc.E] = carry_rows;
         s_chunk0[pc.E] = carry_chunks;
-        route[0] = carry_rows;
-        route[1] = carry_chunks;
+        route[ROUTE_ROWS] = carry_rows;
+        route[ROUTE_CHUNKS] = carry_chunks;
     }
     barrier();
     for (uint e0 = 0u; e0 < pc.E; e0 += WG_SIZE) { uint e = e0 + tid; if (e < pc.E) s_count[e] = 0u; }  // reused as the scatter cursor
@@ -154,8 +153,8 @@ void moe_route() {
 // Rows are indexed by (token, slot), f = t * top_k + slot, not by sorted position: stage 1 then needs only the
 // expert ids, not the routing tables, so it runs beside the routing (same dispatch / same phase) instead of
 // after it. The gate/up GEMM finds a sorted row's input through route_row_flat.
-uint stage1_items() { return (R() * (pc.H / 128u) + 1u) / 2u; }
-uint routed_chunks() { return wg_uniform(route[1]); }
+uint stage1_items() { return (R() * (pc.H / BAND) + STAGE1_PAIRS_PER_ITEM - 1u) / STAGE1_PAIRS_PER_ITEM; }
+uint routed_chunks() { return wg_uniform(route[ROUTE_CHUNKS]); }
 
 // Item u: (row, block) pairs 2u and 2u + 1; had rows: 2 * pair + (0 gate, 1 up).
 void moe_stage1(uint u) {
@@ -224,33 +223,9 @@ float activate(float g, float u) {
 }
 
 // ------------------------------------------------------------------- shared GEMM plumbing of stages 2 and 4
-shared bool s_last;
+#define LAST_ARRIVAL_BUF sync_words
+#include "last_arrival.glsl"
 shared bool s_token_done[4];
-
-// Write this workgroup's k-split partial of rows p0 .. p0+nr-1 for one band to partial[], then count the
-// arrival on counter `counter`; returns (in every invocation) whether this was the last of `arrivals`.
-bool gemm_finish_partial(uint partial_base, uint row_stride, uint p0, uint nr, uint band, uint counter,
-                         uint arrivals) {
-    uint tid = gl_LocalInvocationID.x;
-    for (uint r0 = 0u; r0 < nr; r0 += 4u) {
-        barrier();
-        gemm_stage_rows(r0);
-        barrier();
-        for (uint i = tid; i < 4u * 128u; i += WG_SIZE) {
-            uint rr = i >> 7, col = i & 127u;
-            if (r0 + rr < nr) partial[partial_base + (p0 + r0 + rr) * row_stride + band * 128u + col] = gemm_red_sum(rr, col);
-        }
-    }
-    WG_BARRIER_DEVICE();
-    if (tid == 0u) {
-        uint arrived = atomicAdd(sync_words[counter], 1u, gl_ScopeQueueFamily, gl_StorageSemanticsBuffer,
-                                 gl_SemanticsAcquireRelease | gl_SemanticsMakeAvailable | gl_SemanticsMakeVisible);
-        s_last = arrived == arrivals - 1u;
-        if (s_last) atomicStore(sync_words[counter], 0u, gl_ScopeQueueFamily, gl_StorageSemanticsBuffer, gl_SemanticsRelaxed);
-    }
-    WG_BARRIER_DEVICE();
-    return wg_uniform(uint(s_last)) != 0u;  // stages 3 and 5 (with barriers) run under this branch
-}
 
 // --------------------------------------------------------------------- stage 2 (+3): gate/up GEMM, activation
 uint gu_projections() { return GATED ? 2u : 1u; }

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import layout
+
 __all__ = [
     "CODEBOOKS",
     "TENSOR_CORE_PERM",
@@ -21,7 +23,7 @@ __all__ = [
 ]
 
 #: GPU-form codebooks accepted by Exl3Tensor; "mul1_exact" is only a decode option (CPU affine form).
-CODEBOOKS = ("3inst", "mcg", "mul1")
+CODEBOOKS = tuple(layout.CODEBOOKS)
 
 MUL1_C1 = np.array(0x1EEE, dtype=np.uint16).view(np.float16)[()]
 MUL1_C0 = np.array(0xC931, dtype=np.uint16).view(np.float16)[()]

@@ -12,6 +12,7 @@ import math
 
 import numpy as np
 
+from .. import layout
 from .tensor import Exl3Tensor
 
 __all__ = [
@@ -27,7 +28,7 @@ __all__ = [
     "validate_moe_args",
 ]
 
-ACTIVATIONS = ("silu", "gelu", "gelu_erf", "relu2", "swiglu_oai")
+ACTIVATIONS = tuple(layout.ACTIVATIONS)
 #: fp32(1/sqrt(128)) = 0x3DB504F3, the scale every EXL3 Hadamard applies after the butterflies.
 HAD_SCALE_F32 = np.float32(0.088388347648)
 _GELU_K = 0.797884560803

@@ -3,11 +3,11 @@
 import os
 import threading
 
+from ..layout import SPEC_F16_FMA_FUSED
 from ..vk import Pipeline, PushConstants, VkmoeError
 from ..vk.pipeline import SPV_DIR
 
 _lock = threading.Lock()
-CODEBOOK_IDS = {"3inst": 0, "mcg": 1, "mul1": 2}
 
 
 class DequantPush(PushConstants):
@@ -54,7 +54,7 @@ def pipeline(device, shader, push, spec=None, decode=False, binding_count=None):
     if variant == "f16":
         # the exact fused fp16 fma for mul1 only where the driver was measured to fuse it
         spec = dict(spec or {})
-        spec[15] = bool(device.quirks.get("f16_fma_fused"))
+        spec[SPEC_F16_FMA_FUSED] = bool(device.quirks.get("f16_fma_fused"))
     key = (name, tuple(sorted((spec or {}).items())))
     with _lock:
         cache = device.__dict__.setdefault("_vkmoe_pipelines", {})

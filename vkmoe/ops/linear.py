@@ -4,6 +4,7 @@ Two dispatches: the input Hadamard (fp16 rows, suh applied), then the GEMM with 
 (one workgroup per 128-column band and k-split; the last split of a band finishes it)."""
 import numpy as np
 
+from .. import layout
 from ..exl3 import Exl3Tensor
 from ..vk import CommandRecorder
 from . import kernels
@@ -51,8 +52,9 @@ class Exl3Linear:
             mem = self.device.memory
             xh = mem.allocate(m * self.k * 2)
             partial = mem.allocate(plan.splits * m * self.n * 4)
-            counters = mem.allocate(plan.row_chunks * (self.n // 128) * 4)
-            counters.upload(np.zeros(plan.row_chunks * (self.n // 128), np.uint32))
+            words = layout.linear_counter_words(plan.row_chunks, self.n)
+            counters = mem.allocate(words * 4)
+            counters.upload(np.zeros(words, np.uint32))
             self._scratch[key] = (xh, partial, counters)
             self._owned += [xh, partial, counters]
         return plan, self._scratch[key]
@@ -67,12 +69,13 @@ class Exl3Linear:
         plan, (xh, partial, counters) = self._scratch_for(m)
         dev = self.device
         had = kernels.pipeline(dev, "exl3_had_in", kernels.HadInPush)
-        cmd.dispatch(had, had.bind(x_buf, self._suh, xh), -(-m * (self.k // 128) // 4), had.push(m=m, k=self.k))
+        cmd.dispatch(had, had.bind(x_buf, self._suh, xh), layout.had_in_grid(m, self.k), had.push(m=m, k=self.k))
         cmd.barrier()
-        spec = {0: self.bits, 1: kernels.CODEBOOK_IDS[self.codebook], 2: plan.rows, 3: self.has_bias}
+        spec = {layout.SPEC_LINEAR_K: self.bits, layout.SPEC_LINEAR_CB: layout.CODEBOOKS[self.codebook],
+                layout.SPEC_LINEAR_ROWS: plan.rows, layout.SPEC_LINEAR_HAS_BIAS: self.has_bias}
         gemm = kernels.pipeline(dev, "exl3_linear", kernels.LinearPush, spec, decode=True)
         dset = gemm.bind(xh, self._trellis, self._svh, self._bias, y_buf, partial, counters)
-        cmd.dispatch(gemm, dset, (self.n // 128, plan.splits, plan.row_chunks),
+        cmd.dispatch(gemm, dset, layout.linear_grid(plan, self.n),
                      gemm.push(m=m, k=self.k, n=self.n, splits=plan.splits, kt_per_split=plan.kt_per_split))
         cmd.barrier()
 
@@ -103,13 +106,13 @@ class Exl3Linear:
         """The decoded (k, n) fp16 matrix Ŵ, computed by the GPU decoder (no scales applied)."""
         dev = self.device
         pipe = kernels.pipeline(dev, "exl3_dequant", kernels.DequantPush,
-                                {0: self.bits, 1: kernels.CODEBOOK_IDS[self.codebook]}, decode=True)
+                                {layout.SPEC_LINEAR_K: self.bits, layout.SPEC_LINEAR_CB: layout.CODEBOOKS[self.codebook]},
+                                decode=True)
         out = dev.memory.allocate(self.k * self.n * 4)
         try:
-            lanes = (self.k // 16) * (self.n // 16) * 8
             with CommandRecorder(dev) as rec:
                 rec.begin()
-                rec.dispatch(pipe, pipe.bind(self._trellis, out), -(-lanes // 256), pipe.push(k=self.k, n=self.n))
+                rec.dispatch(pipe, pipe.bind(self._trellis, out), layout.dequant_grid(self.k, self.n), pipe.push(k=self.k, n=self.n))
                 rec.end()
                 rec.submit(wait=True)
             bits = out.download(np.uint32, (self.k, self.n))

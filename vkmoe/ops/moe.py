@@ -6,20 +6,22 @@ barriers or as one persistent dispatch with spin barriers (vkmoe.sched decides; 
 """
 import os
 import threading
+import time
+from typing import NamedTuple
 
 import numpy as np
 
+from .. import layout
 from ..exl3 import Exl3Tensor
+from ..layout import ACTIVATIONS, MAX_TOP_K, MOE_BINDINGS
+from ..layout import ROUTE_MAX_EXPERTS as MAX_EXPERTS
+from ..sched.plan import decide, persistent_plan
 from ..vk import CommandRecorder, PushConstants
 from . import kernels
 from .plan import moe_plan
 
-ACTIVATIONS = {"silu": 0, "gelu": 1, "relu2": 2, "swiglu_oai": 3, "gelu_erf": 4}
 DISPATCH_MODES = ("auto", "persistent", "split")
 POISON_F32 = 0x7FC00000  # a quiet NaN: an output element the kernels forget to write shows up in every test
-MOE_BINDINGS = 19       # shaders/include/moe_bindings.glsl
-MAX_TOP_K = 32          # shaders/include/moe_stages.glsl unrolls per-token slot loops to this
-MAX_EXPERTS = 1024       # routing counters live in shared memory (3 x 4 bytes per expert)
 
 
 class MoePush(PushConstants):
@@ -90,24 +92,74 @@ class _Scratch:
 
     def __init__(self, device, plan, H, I):
         mem = device.memory
-        R, m = plan.R, plan.m
         self.plan = plan
-        self.route = mem.allocate(4 * (16 + 3 * plan.max_chunks + 2 * R + m))
-        self.states = mem.allocate(2 * R * H * 2)
-        self.inter = mem.allocate(R * I * 2)
-        self.partial = mem.allocate(4 * max(2 * plan.splits_gu * R * I, plan.splits_d * R * H))
-        self.rows = mem.allocate(4 * R * H)
-        self.sync_words = 16 + plan.max_chunks * (I // 128) + plan.max_chunks * (H // 128) + m * (H // 128)
-        self.sync = mem.allocate(4 * self.sync_words)
+        size = layout.scratch_bytes(plan, H, I)
+        self.route = mem.allocate(size["route"])
+        self.states = mem.allocate(size["states"])
+        self.inter = mem.allocate(size["inter"])
+        self.partial = mem.allocate(size["partial"])
+        self.rows = mem.allocate(size["rows"])
+        self.sync_words = size["sync"] // 4
+        self.sync = mem.allocate(size["sync"])
         self.reset_sync()
         self.buffers = (self.route, self.states, self.inter, self.partial, self.rows, self.sync)
 
     def reset_sync(self):
         self.sync.upload(np.zeros(self.sync_words, np.uint32))
 
+    def abort_code(self):
+        """The abort code the last persistent launch on this scratch left (0 = none; layout.ABORT_*)."""
+        return int(self.sync.download(np.uint32, (layout.SYNC_ABORT + 1,))[layout.SYNC_ABORT])
+
     def close(self):
         for b in self.buffers:
             b.close()
+
+
+class RunResult(NamedTuple):
+    """What one submitted forward gave: the output, its GPU time, and the abort code (0: the output is valid)."""
+    out: np.ndarray
+    gpu_ms: float
+    abort_code: int
+
+
+class _SplitPath:
+    """The three split dispatches: always safe, nothing to check after the submission."""
+    mode = "split"
+    key = "split"
+
+    def __init__(self, moe):
+        self._moe = moe
+
+    def record(self, cmd, scratch, buffers):
+        self._moe._record_split(cmd, scratch, buffers)
+
+    def check(self, scratch):
+        return 0
+
+
+class _PersistentPath:
+    """One persistent dispatch of launch plan `pplan`; after the submission, `check` reads the abort code."""
+    mode = "persistent"
+
+    def __init__(self, moe, pplan):
+        self._moe, self.pplan = moe, pplan
+        self.key = ("persistent", pplan.workgroups, pplan.spin_limit, pplan.loop_budget)
+
+    def record(self, cmd, scratch, buffers):
+        self._moe._record_persistent(cmd, scratch, buffers, self.pplan)
+
+    def check(self, scratch):
+        return scratch.abort_code()
+
+
+def _run_report(mode, requested, reason, fallback, plan, pplan, gpu_ms, wall_ms):
+    """The `last_run` dict (one shape for every outcome)."""
+    ran_persistent = mode == "persistent"
+    return {"mode": mode, "requested": requested, "reason": reason, "fallback_reason": fallback,
+            "plan": plan.as_dict() if plan else None, "persistent_plan": pplan.as_dict() if pplan else None,
+            "workgroups": pplan.workgroups if ran_persistent else None,
+            "groups": pplan.groups if ran_persistent else None, "gpu_ms": gpu_ms, "wall_ms": wall_ms}
 
 
 class Exl3MoeMlp:
@@ -206,8 +258,9 @@ class Exl3MoeMlp:
 
     # ----------------------------------------------------------------------------------------- recording
     def _spec(self, plan):
-        return {0: self.bits["gate"] or self.bits["up"], 1: self.bits["up"], 2: self.bits["down"],
-                3: kernels.CODEBOOK_IDS[self.codebook], 4: plan.rows, 5: ACTIVATIONS[self.activation]}
+        return {layout.SPEC_MOE_K_GATE: self.bits["gate"] or self.bits["up"], layout.SPEC_MOE_K_UP: self.bits["up"],
+                layout.SPEC_MOE_K_DOWN: self.bits["down"], layout.SPEC_MOE_CB: layout.CODEBOOKS[self.codebook],
+                layout.SPEC_MOE_ROWS: plan.rows, layout.SPEC_MOE_ACT: ACTIVATIONS[self.activation]}
 
     def _scratch_for(self, m, top_k):
         key = (m, top_k)
@@ -233,15 +286,13 @@ class Exl3MoeMlp:
         route = kernels.pipeline(dev, "moe_route", MoePush, spec, binding_count=MOE_BINDINGS)
         gate_up = kernels.pipeline(dev, "moe_gate_up", MoePush, spec, decode=True, binding_count=MOE_BINDINGS)
         down = kernels.pipeline(dev, "moe_down", MoePush, spec, decode=True, binding_count=MOE_BINDINGS)
+        route_grid, gate_up_grid, down_grid = layout.split_grids(plan, self.H, self.I, self.gated)
         # routing (workgroup 0) and stage 1 (the rest) in one dispatch
-        groups = 1 + -(-plan.R * (self.H // 128) // 2)
-        x = min(groups, 65535)
-        cmd.dispatch(route, route.bind(*buffers), (x, -(-groups // x)), push)
+        cmd.dispatch(route, route.bind(*buffers), route_grid, push)
         cmd.barrier()
-        gu_x = (self.I // 128) * (2 if self.gated else 1) * plan.splits_gu
-        cmd.dispatch(gate_up, gate_up.bind(*buffers), (gu_x, plan.max_chunks), push)
+        cmd.dispatch(gate_up, gate_up.bind(*buffers), gate_up_grid, push)
         cmd.barrier()
-        cmd.dispatch(down, down.bind(*buffers), ((self.H // 128) * plan.splits_d, plan.max_chunks), push)
+        cmd.dispatch(down, down.bind(*buffers), down_grid, push)
         cmd.barrier()
 
     def _record_persistent(self, cmd, scratch, buffers, pplan):
@@ -273,8 +324,6 @@ class Exl3MoeMlp:
         if mode == "split":
             self._record_split(cmd, scratch, buffers)
         elif mode == "persistent":
-            from ..sched.plan import persistent_plan
-
             pplan = persistent_plan(self.device, scratch.plan, self.E, self.H, self.I, self.gated)
             if not pplan.allowed:
                 raise ValueError(f"mode='persistent' is not possible here: {pplan.reason}")
@@ -285,7 +334,7 @@ class Exl3MoeMlp:
 
     def aborted(self, m, top_k):
         """The abort code left by the last persistent launch for this batch shape (0 = none)."""
-        return int(self._scratch_for(m, top_k).sync.download(np.uint32, (1,))[0])
+        return self._scratch_for(m, top_k).abort_code()
 
     def reset_after_abort(self, m, top_k):
         self._scratch_for(m, top_k).reset_sync()
@@ -334,14 +383,33 @@ class Exl3MoeMlp:
         m, top_k = ids.shape
         mode = parse_dispatch(dispatch if dispatch is not None else self._dispatch_arg)
         if m == 0:
-            self.last_run = {"mode": "none", "requested": mode, "reason": "m = 0: nothing to run",
-                             "fallback_reason": None, "plan": None, "persistent_plan": None, "workgroups": None,
-                             "groups": None, "gpu_ms": 0.0, "wall_ms": 0.0}
+            self.last_run = _run_report("none", mode, "m = 0: nothing to run", None, None, None, 0.0, 0.0)
             return np.zeros((0, self.H), np.float32)
-        from ..sched.launch import run_forward  # the persistent/split decision and the fallback
+        return self._launch(mode, np.ascontiguousarray(hidden), np.ascontiguousarray(ids, np.int32),
+                            np.ascontiguousarray(weights, np.float32), m, top_k)
 
-        return run_forward(self, mode, np.ascontiguousarray(hidden), np.ascontiguousarray(ids, np.int32),
-                           np.ascontiguousarray(weights, np.float32), m, top_k)
+    def _launch(self, requested, hidden, ids, weights, m, top_k):
+        """Run in the mode vkmoe.sched decides; a persistent launch that aborted (a bounded spin ran out) is
+        re-run split on the same inputs. Sets last_run; returns the output."""
+        start = time.perf_counter()
+        scratch = self._scratch_for(m, top_k)
+        decision = decide(self.device, scratch.plan, requested, self.E, self.H, self.I, self.gated)
+        mode, fallback = decision.mode, None
+        if mode == "persistent":
+            result = self.run_persistent(hidden, ids, weights, m, top_k, decision.plan)
+            if result.abort_code:
+                why = layout.ABORT_REASONS.get(result.abort_code, result.abort_code)
+                fallback = (f"persistent launch aborted ({why}; grid {decision.plan.workgroups} from "
+                            f"{decision.plan.source}): re-ran in split mode")
+                scratch.reset_sync()
+                result, mode = self.run_split(hidden, ids, weights, m, top_k), "split"
+        else:
+            result = self.run_split(hidden, ids, weights, m, top_k)
+            if requested != "split":
+                fallback = decision.reason
+        self.last_run = _run_report(mode, requested, decision.reason, fallback, scratch.plan, decision.plan,
+                                    result.gpu_ms, (time.perf_counter() - start) * 1e3)
+        return result.out
 
     def _io_for(self, m, top_k):
         key = (m, top_k)
@@ -376,18 +444,18 @@ class Exl3MoeMlp:
             out = ob.download(np.float32, (m, self.H))
         return out, gpu_ms, scratch
 
+    def _run_path(self, path, hidden, ids, weights, m, top_k):
+        out, gpu_ms, scratch = self._run(hidden, ids, weights, m, top_k, path.key, path.record)
+        return RunResult(out, gpu_ms, path.check(scratch))
+
     def run_split(self, hidden, ids, weights, m, top_k):
-        """Upload, run the split path (output poisoned first), wait; returns (out, gpu_ms, plan)."""
-        out, gpu_ms, scratch = self._run(hidden, ids, weights, m, top_k, "split", self._record_split)
-        return out, gpu_ms, scratch.plan
+        """Upload, run the split path (output poisoned first), wait; returns a RunResult (abort_code 0)."""
+        return self._run_path(_SplitPath(self), hidden, ids, weights, m, top_k)
 
     def run_persistent(self, hidden, ids, weights, m, top_k, pplan):
-        """Upload, run the persistent kernel, wait; returns (out, gpu_ms, abort code). A non-zero abort code
-        means the output is not valid (the caller re-runs split after resetting the sync area)."""
-        key = ("persistent", pplan.workgroups, pplan.spin_limit, pplan.loop_budget)
-        out, gpu_ms, scratch = self._run(hidden, ids, weights, m, top_k, key,
-                                         lambda rec, sc, bufs: self._record_persistent(rec, sc, bufs, pplan))
-        return out, gpu_ms, int(scratch.sync.download(np.uint32, (1,))[0])
+        """Upload, run the persistent kernel, wait; returns a RunResult. A non-zero abort code means the output
+        is not valid (the caller re-runs split after resetting the sync area)."""
+        return self._run_path(_PersistentPath(self, pplan), hidden, ids, weights, m, top_k)
 
     def forward_sorted(self, hidden, expert_count, token_sorted, weight_sorted, dispatch=None):
         """exllamav3's kernel inputs: expert_count (E or E+1 entries; the last one, the sentinel, is ignored

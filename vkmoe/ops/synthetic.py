@@ -16,7 +16,8 @@ from ..exl3 import Exl3Tensor
 from ..exl3.decode import codebook_table
 from ..vk import CommandRecorder, PushConstants
 from . import kernels
-from .moe import ACTIVATIONS, Exl3MoeMlp
+from ..layout import ACTIVATIONS, CODEBOOKS
+from .moe import Exl3MoeMlp
 
 __all__ = ["FillPush", "SyntheticProjection", "fill_random", "fill_words_numpy", "random_projection",
            "random_moe", "random_routing", "projection_seed", "moe_tensors", "device_heap_bytes"]
@@ -170,8 +171,8 @@ def random_moe(device, E, H, I, bits=4, codebook="mul1", activation="silu", seed
     `bits` is an int or a (gate, up, down) triple. Close it (or use `with`) to free the device memory."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
-    if codebook not in kernels.CODEBOOK_IDS:
-        raise ValueError(f"codebook must be one of {sorted(kernels.CODEBOOK_IDS)}, got {codebook!r}")
+    if codebook not in CODEBOOKS:
+        raise ValueError(f"codebook must be one of {sorted(CODEBOOKS)}, got {codebook!r}")
     gb, ub, db = (bits, bits, bits) if np.isscalar(bits) else tuple(bits)
     made = []
     try:

@@ -9,13 +9,12 @@ workgroups stay off in auto mode unless forced.
 import os
 from dataclasses import asdict, dataclass
 
+from ..layout import PERSISTENT_ROUTE_MAX_EXPERTS
 from . import residency
 
 # The persistent kernel: 256 invocations, < 16 KiB of shared memory (had_buf 2 KiB, gemm_red 8 KiB, routing
 # counters 3 KiB). The probe's 16 KiB variant bounds its occupancy from below, so its grid is safe for it.
 PERSISTENT_VARIANT = (256, 16384)
-PERSISTENT_MAX_EXPERTS = 256        # ROUTE_MAX_E in shaders/moe_persistent.comp
-SYNC_POLLS = 32                     # polls per spin iteration (shaders/moe_persistent.comp)
 DENY = ("moltenvk", "apple", "mali")  # default-deny: no forward progress guarantee observed/known
 
 
@@ -95,8 +94,8 @@ def persistent_plan(device, moe_plan, E, H, I, gated):
         return PersistentPlan(allowed, ok_auto and allowed, max(workgroups, 0), 1, source, reason,
                               spin_limit, loop_budget)
 
-    if E > PERSISTENT_MAX_EXPERTS:
-        return plan(False, False, f"{E} experts: the persistent kernel routes at most {PERSISTENT_MAX_EXPERTS}")
+    if E > PERSISTENT_ROUTE_MAX_EXPERTS:
+        return plan(False, False, f"{E} experts: the persistent kernel routes at most {PERSISTENT_ROUTE_MAX_EXPERTS}")
     if workgroups < 1:
         return plan(False, False, source)
     if cap:
@@ -135,6 +134,26 @@ def auto_switch_point(device):
     return 0, "no measured crossover for this device (tools/bench_moe --store-crossover)"
 
 
-def auto_prefers_persistent(device, m):
-    """Whether auto mode takes the persistent path for a batch of m tokens (when the plan allows it)."""
-    return m <= auto_switch_point(device)[0]
+@dataclass(frozen=True)
+class Decision:
+    """How one forward should run: sched's whole answer (ops runs it, checks it and falls back)."""
+    mode: str                      # "split" or "persistent"
+    plan: "PersistentPlan | None"  # None when split was requested (then no persistent plan is consulted)
+    reason: str
+
+
+def decide(device, moe_plan, requested, E, H, I, gated):
+    """The Decision for a batch planned as `moe_plan` when `requested` ("auto", "persistent" or "split")."""
+    if requested == "split":  # no persistent knob is read: a bad VKMOE_PERSISTENT_* must not break split
+        return Decision("split", None, "split requested")
+    plan = persistent_plan(device, moe_plan, E, H, I, gated)
+    if requested == "persistent":
+        if plan.allowed:
+            return Decision("persistent", plan, "persistent requested: " + plan.reason)
+        return Decision("split", plan, "persistent requested but not possible: " + plan.reason)
+    if not plan.trusted:
+        return Decision("split", plan, "auto: " + plan.reason)
+    limit, source = auto_switch_point(device)
+    if moe_plan.m > limit:
+        return Decision("split", plan, f"auto: split for m={moe_plan.m} (persistent only up to m={limit}: {source})")
+    return Decision("persistent", plan, "auto: " + plan.reason)

@@ -1,0 +1,45 @@
+// The last-arrival reduction of a k-split GEMM, shared by exl3_linear.comp and moe_stages.glsl: each workgroup
+// writes its fp32 k-split partial of a band to `partial[]`, then counts its arrival on an atomic counter; the
+// one that sees `arrivals - 1` is the last, and alone goes on to sum the partials and finish the band. Nobody
+// waits. The counter is stored back to 0 by the last arrival, so a recorded command buffer can run again.
+//
+// Includer: declares `partial[]` (fp32, nonprivate) and defines LAST_ARRIVAL_BUF (a uint[] lvalue in a
+// nonprivate storage buffer) before including this, after exl3_gemm.glsl.
+#ifndef LAST_ARRIVAL_GLSL
+#define LAST_ARRIVAL_GLSL
+
+#ifndef LAST_ARRIVAL_BUF
+#error "last_arrival.glsl: define LAST_ARRIVAL_BUF (the arrival counters' uint[]) before including"
+#endif
+
+shared bool s_last;
+
+// Write this workgroup's k-split partial of rows p0 .. p0+nr-1 for one band to partial[] (row r at
+// partial_base + r * row_stride + band * BAND), then count the arrival on LAST_ARRIVAL_BUF[counter]; returns,
+// identically in every invocation, whether this was the last of `arrivals`.
+bool gemm_finish_partial(uint partial_base, uint row_stride, uint p0, uint nr, uint band, uint counter,
+                         uint arrivals) {
+    uint tid = gl_LocalInvocationID.x;
+    for (uint r0 = 0u; r0 < nr; r0 += 4u) {
+        barrier();
+        gemm_stage_rows(r0);
+        barrier();
+        for (uint i = tid; i < 4u * BAND; i += WG_SIZE) {
+            uint rr = i / BAND, col = i % BAND;
+            if (r0 + rr < nr) partial[partial_base + (p0 + r0 + rr) * row_stride + band * BAND + col] = gemm_red_sum(rr, col);
+        }
+    }
+    // Makes the partials available device-wide before the release below; the acquire side makes the other
+    // workgroups' partials visible to the last arrival.
+    WG_BARRIER_DEVICE();
+    if (tid == 0u) {
+        uint arrived = atomicAdd(LAST_ARRIVAL_BUF[counter], 1u, gl_ScopeQueueFamily, gl_StorageSemanticsBuffer,
+                                 gl_SemanticsAcquireRelease | gl_SemanticsMakeAvailable | gl_SemanticsMakeVisible);
+        s_last = arrived == arrivals - 1u;
+        if (s_last) atomicStore(LAST_ARRIVAL_BUF[counter], 0u, gl_ScopeQueueFamily, gl_StorageSemanticsBuffer, gl_SemanticsRelaxed);
+    }
+    WG_BARRIER_DEVICE();
+    return wg_uniform(uint(s_last)) != 0u;  // callers branch on it around code with barriers (Mesa 22.3)
+}
+
+#endif

@@ -1,0 +1,171 @@
+"""The launch contract between the host and vkmoe's shaders, owned here and nowhere else.
+
+Everything both sides must agree on: the band width, limits, specialization-constant ids, activation, codebook
+and abort codes, the word layout of the `route` and `sync` buffers, scratch sizes, per-phase item counts and
+the split path's grids. The shader build (`setup.py build_shaders`) writes `glsl_header()` to
+`shaders/include/generated/moe_layout.glsl`, which the shaders include, and rebuilds it whenever this file
+changes; `tests/test_layout.py` fails if a header and this module disagree.
+
+A leaf module: it imports nothing from vkmoe, so every layer may import it (vk, exl3, sched, ops, the CPU tier),
+and setup.py loads it by path, before the package can be imported.
+"""
+
+# ------------------------------------------------------------------------------------------------ geometry
+BAND = 128              # columns of one band = one Hadamard block = the GEMM's unit of output columns
+TILE = 16               # a trellis tile is 16 x 16
+WORKGROUP_SIZE = 256    # invocations of every vkmoe compute workgroup
+MAX_TOP_K = 32          # per-token slot loops in moe_stages.glsl are unrolled to this
+ROUTE_MAX_EXPERTS = 1024            # the split routing's shared counters (3 words per expert)
+PERSISTENT_ROUTE_MAX_EXPERTS = 256  # the persistent kernel's, kept inside 16 KiB of shared memory
+MAX_GRID_X = 65535      # the smallest maxComputeWorkGroupCount[0] Vulkan allows: larger grids fold into y
+MOE_BINDINGS = 19       # descriptor bindings shared by every MoE shader (moe_bindings.glsl)
+
+# ------------------------------------------------------------------------------------- codes shared with C
+ACTIVATIONS = {"silu": 0, "gelu": 1, "relu2": 2, "swiglu_oai": 3, "gelu_erf": 4}  # ACT_* (also native/vkn.h)
+GATELESS_ACTIVATIONS = ("relu2",)
+CODEBOOKS = {"3inst": 0, "mcg": 1, "mul1": 2}  # CB_*
+
+# Abort codes the persistent kernel leaves in sync word SYNC_ABORT (0 = it ran to the end).
+ABORT_SPIN, ABORT_LOCK, ABORT_BARRIER, ABORT_CHECK = 1, 2, 3, 4
+ABORT_REASONS = {ABORT_SPIN: "a spin ran out of its bound", ABORT_LOCK: "a ticket lock timed out",
+                 ABORT_BARRIER: "a grid barrier timed out", ABORT_CHECK: "a self-check failed"}
+
+# ------------------------------------------------------------------------------ specialization-constant ids
+# MoE shaders (moe_bindings.glsl)
+SPEC_MOE_K_GATE, SPEC_MOE_K_UP, SPEC_MOE_K_DOWN, SPEC_MOE_CB, SPEC_MOE_ROWS, SPEC_MOE_ACT = 0, 1, 2, 3, 4, 5
+# exl3_linear.comp and exl3_dequant.comp (the first two)
+SPEC_LINEAR_K, SPEC_LINEAR_CB, SPEC_LINEAR_ROWS, SPEC_LINEAR_HAS_BIAS = 0, 1, 2, 3
+# every decoding shader's f16 build (exl3_decode.glsl): the driver fuses the fp16 fma exactly
+SPEC_F16_FMA_FUSED = 15
+
+# ------------------------------------------------------------------------------------ sync buffer (words)
+# Counters reset themselves; the host zero-fills once at creation and again only after an aborted launch.
+SYNC_ABORT = 0       # abort code (ABORT_*)
+SYNC_BARRIER = 2     # [2] arrivals, [3] generation of the persistent kernel's grid barrier
+SYNC_TICKETS = 4     # [4 + phase] ticket counters of phases 1..3
+SYNC_RETIRED = 8     # workgroups done (the last one resets the tickets)
+SYNC_COUNTERS = 16   # arrival counters: gate/up bands, down bands, token bands
+
+# ----------------------------------------------------------------------------------- route buffer (words)
+# [0] rows routed, [1] chunks; then (expert, first sorted row, rows) per chunk; then per sorted row its flat
+# index t * top_k + slot, then per sorted row its expert; then per token its number of valid slots.
+ROUTE_ROWS, ROUTE_CHUNKS = 0, 1
+ROUTE_HEADER = 16
+ROUTE_CHUNK_WORDS = 3
+
+STAGE1_PAIRS_PER_ITEM = 2  # (row, 128-block) pairs per stage-1 work item
+
+
+def ceil_div(a, b):
+    return -(-a // b)
+
+
+def gate_up_projections(gated):
+    return 2 if gated else 1
+
+
+# ------------------------------------------------------------------------------------------ buffer sizes
+def route_words(m, top_k, max_chunks):
+    return ROUTE_HEADER + ROUTE_CHUNK_WORDS * max_chunks + 2 * m * top_k + m
+
+
+def sync_words(m, max_chunks, H, I):
+    return SYNC_COUNTERS + max_chunks * (I // BAND) + max_chunks * (H // BAND) + m * (H // BAND)
+
+
+def scratch_bytes(plan, H, I):
+    """Bytes of each per-batch-shape MoE scratch buffer, by binding name (plan: ops.plan.MoePlan)."""
+    R = plan.m * plan.top_k
+    return {
+        "route": 4 * route_words(plan.m, plan.top_k, plan.max_chunks),
+        "states": 2 * (2 * R * H),      # fp16 [2][R][H]: gate and up inputs
+        "inter": 2 * (R * I),           # fp16 [R][I]: down input
+        "partial": 4 * max(2 * plan.splits_gu * R * I, plan.splits_d * R * H),  # fp32 k-split partials
+        "rows": 4 * (R * H),            # fp32 [R][H]: one row per (token, slot)
+        "sync": 4 * sync_words(plan.m, plan.max_chunks, H, I),
+    }
+
+
+def linear_counter_words(row_chunks, n):
+    """exl3_linear.comp's arrival counters: one per (row chunk, band)."""
+    return row_chunks * (n // BAND)
+
+
+# ------------------------------------------------------------------------------- work items and the grids
+def stage1_items(m, top_k, H):
+    return ceil_div(m * top_k * (H // BAND), STAGE1_PAIRS_PER_ITEM)
+
+
+def gate_up_items_per_chunk(I, gated, splits_gu):
+    return (I // BAND) * gate_up_projections(gated) * splits_gu
+
+
+def down_items_per_chunk(H, splits_d):
+    return (H // BAND) * splits_d
+
+
+def fold_grid(groups):
+    """A 1-D count of workgroups as an (x, y) grid within MAX_GRID_X (the shader recombines them)."""
+    x = min(groups, MAX_GRID_X)
+    return x, ceil_div(groups, x)
+
+
+def split_grids(plan, H, I, gated):
+    """The split path's three dispatches: routing (workgroup 0) + stage 1, gate/up (+3), down (+5)."""
+    return (fold_grid(1 + stage1_items(plan.m, plan.top_k, H)),
+            (gate_up_items_per_chunk(I, gated, plan.splits_gu), plan.max_chunks),
+            (down_items_per_chunk(H, plan.splits_d), plan.max_chunks))
+
+
+def linear_grid(plan, n):
+    """exl3_linear.comp: (bands, k-splits, row chunks)."""
+    return n // BAND, plan.splits, plan.row_chunks
+
+
+def had_in_grid(m, k):
+    """exl3_had_in.comp: one workgroup per 4 (row, 128-block) pairs."""
+    return ceil_div(m * (k // BAND), 4)
+
+
+def dequant_grid(k, n):
+    """exl3_dequant.comp: one invocation per 8-lane share of a tile."""
+    return ceil_div((k // TILE) * (n // TILE) * 8, WORKGROUP_SIZE)
+
+
+# ------------------------------------------------------------------------------------- the GLSL header
+def _defines():
+    yield "BAND", f"{BAND}u"
+    yield "MAX_TOP_K", str(MAX_TOP_K)
+    yield "ROUTE_MAX_EXPERTS", str(ROUTE_MAX_EXPERTS)
+    yield "PERSISTENT_ROUTE_MAX_EXPERTS", str(PERSISTENT_ROUTE_MAX_EXPERTS)
+    for name, value in ACTIVATIONS.items():
+        yield f"ACT_{name.upper()}", str(value)
+    for name, value in CODEBOOKS.items():
+        yield f"CB_{name.upper()}", str(value)
+    for name in ("SPIN", "LOCK", "BARRIER", "CHECK"):
+        yield f"ABORT_{name}", f"{globals()['ABORT_' + name]}u"
+    for name in ("K_GATE", "K_UP", "K_DOWN", "CB", "ROWS", "ACT"):
+        yield f"SPEC_MOE_{name}", str(globals()["SPEC_MOE_" + name])
+    for name in ("K", "CB", "ROWS", "HAS_BIAS"):
+        yield f"SPEC_LINEAR_{name}", str(globals()["SPEC_LINEAR_" + name])
+    yield "SPEC_F16_FMA_FUSED", str(SPEC_F16_FMA_FUSED)
+    for name in ("ABORT", "BARRIER", "TICKETS", "RETIRED", "COUNTERS"):
+        yield f"SYNC_{name}", f"{globals()['SYNC_' + name]}u"
+    yield "ROUTE_ROWS", f"{ROUTE_ROWS}u"
+    yield "ROUTE_CHUNKS", f"{ROUTE_CHUNKS}u"
+    yield "ROUTE_HEADER", f"{ROUTE_HEADER}u"
+    yield "ROUTE_CHUNK_WORDS", f"{ROUTE_CHUNK_WORDS}u"
+    yield "STAGE1_PAIRS_PER_ITEM", f"{STAGE1_PAIRS_PER_ITEM}u"
+
+
+def glsl_defines():
+    """{macro name: value text} of the generated header."""
+    return dict(_defines())
+
+
+def glsl_header():
+    lines = ["// Generated from vkmoe/layout.py by `setup.py build_shaders`: edit that file, not this one.",
+             "#ifndef MOE_LAYOUT_GLSL", "#define MOE_LAYOUT_GLSL"]
+    lines += [f"#define {name} {value}" for name, value in _defines()]
+    lines.append("#endif")
+    return "\n".join(lines) + "\n"
