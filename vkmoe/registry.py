@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import os
 import threading
 
 import numpy as np
+
+from . import knobs
 
 __all__ = [
     "BACKENDS",
@@ -166,14 +167,14 @@ def simulate_no_vulkan():
 
 # ------------------------------------------------------------------------------------------ choosing
 def _env_backend():
-    value = os.environ.get(ENV_BACKEND, "").strip()
-    if not value:
+    value = knobs.get(ENV_BACKEND)
+    if value is None:
         return None
     backends = list(dict.fromkeys(b for _, b in registered()))
-    if value.lower() not in backends:
+    if value not in backends:
         raise RegistryError(f"{ENV_BACKEND}={value!r} is not a backend; expected one of: {', '.join(backends)} "
                             "(or unset for automatic choice)")
-    return value.lower()
+    return value
 
 
 def _check_op(op):

@@ -3,6 +3,7 @@
 import os
 import threading
 
+from .. import knobs
 from ..layout import SPEC_F16_FMA_FUSED
 from ..vk import Pipeline, PushConstants, VkmoeError
 from ..vk.pipeline import SPV_DIR
@@ -30,9 +31,7 @@ def decode_variant(device):
     """Which build of the decoding shaders runs here: "f16" (packed fp16 decode and products, integer dot
     product, subgroup shuffles), "idot" (fp32 decode with the integer dot product) or "" (portable).
     VKMOE_DECODE=fp32 forces the fp32 decode (for comparisons)."""
-    choice = os.environ.get("VKMOE_DECODE", "auto").strip().lower()
-    if choice not in ("auto", "f16", "fp32"):
-        raise ValueError(f"VKMOE_DECODE={choice!r}: expected auto, f16 or fp32")
+    choice = knobs.get("VKMOE_DECODE")
     if not uses_idot(device):
         return ""
     if (choice != "fp32" and device.features.get("shaderFloat16") and device.subgroup_size >= 8

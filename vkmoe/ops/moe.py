@@ -4,14 +4,13 @@ Weights are uploaded once, one buffer per projection and kind (all experts back 
 routing prep + the stage bodies of shaders/include/moe_stages.glsl, either as split dispatches with pipeline
 barriers or as one persistent dispatch with spin barriers (vkmoe.sched decides; see ARCHITECTURE.md).
 """
-import os
 import threading
 import time
 from typing import NamedTuple
 
 import numpy as np
 
-from .. import layout
+from .. import knobs, layout
 from ..exl3 import Exl3Tensor
 from ..layout import ACTIVATIONS, MAX_TOP_K, MOE_BINDINGS
 from ..layout import ROUTE_MAX_EXPERTS as MAX_EXPERTS
@@ -54,12 +53,11 @@ def _check_experts(name, tensors, k, n, allow_none=False):
 
 def parse_dispatch(dispatch):
     """The dispatch mode: the argument wins, then VKMOE_DISPATCH, then "auto"."""
-    source = "dispatch argument"
     if dispatch is None:
-        dispatch, source = os.environ.get("VKMOE_DISPATCH", "auto"), "VKMOE_DISPATCH"
+        return knobs.get("VKMOE_DISPATCH")
     mode = str(dispatch).strip().lower()
     if mode not in DISPATCH_MODES:
-        raise ValueError(f"{source}={dispatch!r}: expected one of {', '.join(DISPATCH_MODES)}")
+        raise ValueError(f"dispatch argument={dispatch!r}: expected one of {', '.join(DISPATCH_MODES)}")
     return mode
 
 

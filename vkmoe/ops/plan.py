@@ -1,6 +1,8 @@
 """How GEMM work is cut into workgroups: rows per pass, k-splits, and the loop-cap bound on lavapipe 22.3."""
-import os
 from dataclasses import dataclass
+
+from .. import knobs
+from ..layout import BAND, TILE, ceil_div
 
 # Per-invocation k-loop iterations allowed on drivers that silently stop long loops (lavapipe 22.3 stops at
 # 65,536 iterations per invocation, all loops counted): each k-loop iteration may cost up to ~280 inner
@@ -18,8 +20,7 @@ class GemmPlan:
 
 def default_target_workgroups(device):
     """How many workgroups a GEMM dispatch aims for: VKMOE_GEMM_WG_PER_CU (default 4) per compute unit."""
-    per_cu = int(os.environ.get("VKMOE_GEMM_WG_PER_CU", "4"))
-    return max(1, per_cu) * (device.compute_units or 16)
+    return knobs.get("VKMOE_GEMM_WG_PER_CU") * (device.compute_units or 16)
 
 
 def rows_for(m):
@@ -28,16 +29,12 @@ def rows_for(m):
 
 def gemm_plan(device, m, k, n, target_workgroups=None):
     rows = rows_for(m)
-    row_chunks = -(-m // rows)
-    tiles_k = k // 16
-    bands = n // 128
+    row_chunks = ceil_div(m, rows)
+    tiles_k = k // TILE
+    bands = n // BAND
     if target_workgroups is None:
         target_workgroups = default_target_workgroups(device)
-    splits = max(1, min(tiles_k // 4 or 1, -(-target_workgroups // (bands * row_chunks))))
-    kt_per_split = -(-tiles_k // splits)
-    if device.quirks.get("loop_iteration_cap"):
-        kt_per_split = min(kt_per_split, 4 * CAPPED_K_ITERATIONS)
-    splits = -(-tiles_k // kt_per_split)
+    splits, kt_per_split = _splits(device, tiles_k, bands * row_chunks, target_workgroups)
     return GemmPlan(rows, row_chunks, splits, kt_per_split)
 
 
@@ -61,27 +58,23 @@ class MoePlan:
 
 
 def _splits(device, tiles_k, work, target):
-    splits = max(1, min(max(1, tiles_k // 4), -(-target // max(1, work))))
-    kt = -(-tiles_k // splits)
+    """(k-splits, k-tiles per split) so that `work` independent items x splits reach about `target`
+    workgroups, with at least 4 k-tiles per split, capped where the driver has a loop cap."""
+    splits = max(1, min(max(1, tiles_k // 4), ceil_div(target, max(1, work))))
+    kt = ceil_div(tiles_k, splits)
     if device.quirks.get("loop_iteration_cap"):
         kt = min(kt, 4 * CAPPED_K_ITERATIONS)
-    return -(-tiles_k // kt), kt
+    return ceil_div(tiles_k, kt), kt
 
 
 def moe_plan(device, m, top_k, E, H, I, gated, target_workgroups=None):
     R = m * top_k
     active = min(E, R)
-    forced = os.environ.get("VKMOE_MOE_ROWS")  # tuning knob: rows per expert chunk (1, 4, 8 or 16)
-    if forced:
-        if forced not in ("1", "4", "8", "16"):
-            raise ValueError(f"VKMOE_MOE_ROWS={forced!r}: expected 1, 4, 8 or 16")
-        rows = int(forced)
-    else:
-        rows = rows_for(-(-R // max(1, active)))
-    max_chunks = active + -(-R // rows)
-    expected_chunks = max(active, -(-R // rows))
+    rows = knobs.get("VKMOE_MOE_ROWS") or rows_for(ceil_div(R, max(1, active)))  # the knob is for tuning
+    max_chunks = active + ceil_div(R, rows)
+    expected_chunks = max(active, ceil_div(R, rows))
     if target_workgroups is None:
         target_workgroups = default_target_workgroups(device)
-    splits_gu, kt_gu = _splits(device, H // 16, expected_chunks * (I // 128) * (2 if gated else 1), target_workgroups)
-    splits_d, kt_d = _splits(device, I // 16, expected_chunks * (H // 128), target_workgroups)
+    splits_gu, kt_gu = _splits(device, H // TILE, expected_chunks * (I // BAND) * (2 if gated else 1), target_workgroups)
+    splits_d, kt_d = _splits(device, I // TILE, expected_chunks * (H // BAND), target_workgroups)
     return MoePlan(m, top_k, rows, max_chunks, splits_gu, kt_gu, splits_d, kt_d)

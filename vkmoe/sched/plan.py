@@ -6,9 +6,9 @@ VK_ARM_shader_core_builtins, or lavapipe's worker threads), one workgroup per co
 then auto mode does not use the persistent kernel. Drivers known to lack forward-progress guarantees between
 workgroups stay off in auto mode unless forced.
 """
-import os
 from dataclasses import asdict, dataclass
 
+from .. import knobs
 from ..layout import PERSISTENT_ROUTE_MAX_EXPERTS
 from . import residency
 
@@ -35,7 +35,7 @@ class PersistentPlan:
 
 def _co_resident(device):
     """(workgroups, source, trusted) for the persistent kernel's variant."""
-    forced = _positive_int_env("VKMOE_PERSISTENT_GRID", None)
+    forced = knobs.get("VKMOE_PERSISTENT_GRID")
     if forced:
         return forced, "VKMOE_PERSISTENT_GRID (forced; not checked against residency)", True
     entry = residency.lookup(device, PERSISTENT_VARIANT)
@@ -53,23 +53,10 @@ def _co_resident(device):
     return 0, "no co-resident count for this device (run tools/probe_residency)", False
 
 
-def _positive_int_env(name, default):
-    text = os.environ.get(name)
-    if not text:
-        return default
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(f"{name}={text!r}: expected a positive integer")
-    return value
-
-
 def _workgroups_per_cu():
     """VKMOE_PERSISTENT_WG_PER_CU: workgroups per compute unit when a probe measured that many co-resident
     (default 1: the design's one workgroup per compute unit)."""
-    return _positive_int_env("VKMOE_PERSISTENT_WG_PER_CU", 1)
+    return knobs.get("VKMOE_PERSISTENT_WG_PER_CU")
 
 
 def work_loop_iterations(moe_plan, E, H, I, gated):
@@ -121,12 +108,9 @@ def auto_switch_point(device):
     From measurements only: VKMOE_PERSISTENT_MAX_M, else the crossover `tools/bench_moe --store-crossover`
     measured on this device (the smallest over the shapes measured), else 0: without a measurement auto mode
     keeps to the split path (on the NVIDIA H200 split was faster at every batch size, BENCHMARKS.md)."""
-    text = os.environ.get("VKMOE_PERSISTENT_MAX_M")
-    if text:
-        try:
-            return int(text), "VKMOE_PERSISTENT_MAX_M"
-        except ValueError:
-            raise ValueError(f"VKMOE_PERSISTENT_MAX_M={text!r}: expected an integer") from None
+    forced = knobs.get("VKMOE_PERSISTENT_MAX_M")
+    if forced is not None:
+        return forced, "VKMOE_PERSISTENT_MAX_M"
     shapes = residency.lookup_crossover(device)
     if shapes:
         shape, entry = min(shapes.items(), key=lambda kv: kv[1]["max_m"])

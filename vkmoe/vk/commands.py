@@ -1,16 +1,15 @@
 """CommandRecorder: record dispatches, barriers, copies and timestamps into a reusable command buffer; submit
 and wait with a timeout (vkmoe.TimeoutError instead of blocking forever)."""
-import os
 import time
 
 import numpy as np
 import vulkan as vk
 
+from .. import knobs
 from .errors import TimeoutError, VkmoeError, call
 
 ffi = vk.ffi
 
-DEFAULT_TIMEOUT_S = float(os.environ.get("VKMOE_TIMEOUT", "60"))
 
 _SHADER_STAGES = vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | vk.VK_PIPELINE_STAGE_TRANSFER_BIT
 _ACCESS = (vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT | vk.VK_ACCESS_TRANSFER_READ_BIT
@@ -158,7 +157,7 @@ class CommandRecorder:
         """Wait for the last submission; raise vkmoe.TimeoutError after `timeout` seconds."""
         if not self._pending:
             return
-        timeout = DEFAULT_TIMEOUT_S if timeout is None else float(timeout)
+        timeout = knobs.get("VKMOE_TIMEOUT") if timeout is None else float(timeout)
         deadline = time.monotonic() + timeout
         while True:
             # Short slices keep Ctrl-C responsive; the total is bounded by `timeout`.

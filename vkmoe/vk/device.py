@@ -6,6 +6,7 @@ import threading
 
 import vulkan as vk
 
+from .. import knobs
 from .errors import DeviceSelectionError, ValidationError, VkmoeError, call
 
 ffi = vk.ffi
@@ -41,7 +42,7 @@ def _new_struct(ctype, stype, chain_to=None):
 
 
 def _validation_requested():
-    return os.environ.get("VKMOE_VALIDATION", "0") not in ("", "0", "false", "no")
+    return knobs.get("VKMOE_VALIDATION")
 
 
 class _Instance:
@@ -166,7 +167,7 @@ class Device:
         self.validation = _validation_requested()
         self.instance = _Instance.get(self.validation)
         if selector is None:
-            selector = os.environ.get("VKMOE_DEVICE")
+            selector = knobs.get("VKMOE_DEVICE")
         self.index, self.physical, self.name, device_type = _select(self.instance.physical_devices(), selector)
         self.device_type = _DEVICE_TYPE_NAME.get(device_type, "other")
         self._query_capabilities()

@@ -5,12 +5,14 @@ import threading
 
 import numpy as np
 
+from .. import knobs
+
 _lock = threading.Lock()
 PROBE_ITERATIONS = 200_000  # well past lavapipe 22.3's 65,535 cap, cheap everywhere
 
 
 def cache_dir():
-    path = os.environ.get("VKMOE_CACHE_DIR") or os.path.join(
+    path = knobs.get("VKMOE_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "vkmoe")
     os.makedirs(path, exist_ok=True)
     return path

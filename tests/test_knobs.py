@@ -1,0 +1,111 @@
+"""VKMOE_* variables: one parser (vkmoe/knobs.py), read at call time, bad values name the variable, and one
+README table documents exactly them."""
+import glob
+import os
+import re
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from goldens import golden_files, load_layer, rel_rms
+from vkmoe import knobs
+from vkmoe.sched import plan as sched_plan
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Read by the test suite and the bootstrap script, not by the package.
+NOT_PACKAGE = {"VKMOE_GOLDEN_DIR", "VKMOE_BOOTSTRAP_QUIET"}
+
+
+def test_every_package_read_goes_through_knobs():
+    offenders = []
+    for path in glob.glob(os.path.join(REPO, "vkmoe", "**", "*.py"), recursive=True):
+        if os.path.basename(path) == "knobs.py":
+            continue
+        with open(path) as f:
+            for n, line in enumerate(f, 1):
+                if re.search(r"environ[^\n]*VKMOE_|getenv\([^)]*VKMOE_", line):
+                    offenders.append(f"{os.path.relpath(path, REPO)}:{n}: {line.strip()}")
+    assert not offenders, "read VKMOE_* through vkmoe.knobs:\n" + "\n".join(offenders)
+
+
+def test_readme_table_lists_exactly_the_knobs():
+    with open(os.path.join(REPO, "README.md")) as f:
+        text = f.read()
+    section = text.split("## Environment variables", 1)[1].split("\n## ", 1)[0]
+    first_column = [line.split("|")[1] for line in section.splitlines() if line.startswith("|")]
+    documented = set(re.findall(r"`(VKMOE_\w+)`", "\n".join(first_column)))
+    assert documented - NOT_PACKAGE == set(knobs.KNOBS)
+    assert text.count("## Environment variables") == 1
+
+
+@pytest.mark.parametrize("name, text", [
+    ("VKMOE_TIMEOUT", "abc"), ("VKMOE_TIMEOUT", "-1"), ("VKMOE_TIMEOUT", "0"), ("VKMOE_TIMEOUT", "inf"),
+    ("VKMOE_GEMM_WG_PER_CU", "0"), ("VKMOE_GEMM_WG_PER_CU", "four"), ("VKMOE_PERSISTENT_GRID", "abc"),
+    ("VKMOE_PERSISTENT_GRID", "-3"), ("VKMOE_PERSISTENT_MAX_M", "-1"), ("VKMOE_PERSISTENT_MAX_M", "1.5"),
+    ("VKMOE_MOE_ROWS", "3"), ("VKMOE_MOE_ROWS", "x"), ("VKMOE_DECODE", "fp8"), ("VKMOE_DISPATCH", "fast"),
+    ("VKMOE_VALIDATION", "maybe"), ("VKMOE_PERSISTENT_WG_PER_CU", "0"),
+])
+def test_bad_value_names_the_variable(monkeypatch, name, text):
+    monkeypatch.setenv(name, text)
+    with pytest.raises(knobs.KnobError, match=re.escape(f"{name}={text!r}: expected")):
+        knobs.get(name)
+
+
+@pytest.mark.parametrize("name, text, value", [
+    ("VKMOE_TIMEOUT", "2.5", 2.5), ("VKMOE_TIMEOUT", "", 60.0), ("VKMOE_GEMM_WG_PER_CU", " 8 ", 8),
+    ("VKMOE_MOE_ROWS", "16", 16), ("VKMOE_MOE_ROWS", "", None), ("VKMOE_DISPATCH", "Split", "split"),
+    ("VKMOE_VALIDATION", "no", False), ("VKMOE_VALIDATION", "1", True), ("VKMOE_PERSISTENT_MAX_M", "0", 0),
+])
+def test_good_values(monkeypatch, name, text, value):
+    monkeypatch.setenv(name, text)
+    assert knobs.get(name) == value
+
+
+def test_read_at_call_time_not_at_import():
+    """A bad VKMOE_TIMEOUT does not break `import vkmoe`; the wait that needs it raises, naming it."""
+    code = ("import vkmoe, vkmoe.vk.commands\n"
+            "from vkmoe import knobs\n"
+            "try:\n    knobs.get('VKMOE_TIMEOUT')\nexcept knobs.KnobError as e:\n    print('raised:', e)\n")
+    env = dict(os.environ, VKMOE_TIMEOUT="abc")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert "raised: VKMOE_TIMEOUT='abc': expected a positive number of seconds" in out.stdout
+
+
+def test_wait_rejects_a_bad_timeout(device, monkeypatch):
+    from vkmoe.vk import CommandRecorder
+
+    with CommandRecorder(device) as rec:
+        rec.begin()
+        rec.end()
+        monkeypatch.setenv("VKMOE_TIMEOUT", "-1")
+        with pytest.raises(knobs.KnobError, match="VKMOE_TIMEOUT"):
+            rec.submit(wait=True)
+        rec.wait(timeout=30)  # the submission itself went through; an explicit timeout needs no knob
+
+
+def test_split_reads_no_persistent_knob(monkeypatch):
+    """A broken VKMOE_PERSISTENT_GRID must not break dispatch="split"; auto names the variable."""
+    monkeypatch.setenv("VKMOE_PERSISTENT_GRID", "abc")
+    plan = SimpleNamespace(m=1, top_k=1, R=1, max_chunks=2, splits_gu=1, kt_gu=1, splits_d=1, kt_d=1)
+    decision = sched_plan.decide(object(), plan, "split", 8, 256, 128, True)
+    assert (decision.mode, decision.plan) == ("split", None)
+    with pytest.raises(knobs.KnobError, match="VKMOE_PERSISTENT_GRID"):
+        sched_plan.decide(object(), plan, "auto", 8, 256, 128, True)
+
+
+def test_split_runs_with_a_broken_persistent_grid(device, monkeypatch):
+    import vkmoe
+
+    L = load_layer(next(p for p in golden_files() if os.path.basename(p).startswith("a_tiny")))
+    call = L.calls[0]
+    monkeypatch.setenv("VKMOE_PERSISTENT_GRID", "abc")
+    with vkmoe.Exl3MoeMlp(device, L.gate, L.up, L.down, activation=L.activation, dispatch="split") as moe:
+        out = moe(call["x"], call["selected"], call["weights"])
+        assert moe.last_run["mode"] == "split" and moe.last_run["persistent_plan"] is None
+        assert np.isfinite(out).all() and rel_rms(out, call["ref_out"]) < 3e-3
+        with pytest.raises(knobs.KnobError, match="VKMOE_PERSISTENT_GRID"):
+            moe(call["x"], call["selected"], call["weights"], dispatch="auto")

@@ -1,0 +1,96 @@
+"""Every VKMOE_* environment variable vkmoe reads, parsed here and nowhere else.
+
+Values are read when they are used (never at import), so a process may change them between calls, and a bad
+value raises KnobError naming the variable, what was expected and what it holds. README.md's "Environment
+variables" table documents the same set (tests/test_knobs.py keeps them in step).
+
+A leaf module: it imports nothing from vkmoe, so every layer (vk included) may use it.
+"""
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+
+class KnobError(ValueError):
+    """A VKMOE_* variable holds a value vkmoe cannot use."""
+
+    def __init__(self, name, expected, text):
+        self.name = name
+        super().__init__(f"{name}={text!r}: expected {expected}")
+
+
+@dataclass(frozen=True)
+class Knob:
+    name: str
+    default: object
+    expected: str                     # what a valid value looks like, for errors and the README
+    parse: Callable[[str], object]    # text (stripped, non-empty) -> value; raises ValueError when invalid
+
+
+def _int_at_least(low):
+    def parse(text):
+        value = int(text)
+        if value < low:
+            raise ValueError(text)
+        return value
+    return parse
+
+
+def _positive_float(text):
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise ValueError(text)
+    return value
+
+
+def _choice(*options, convert=str.lower):
+    def parse(text):
+        value = convert(text)
+        if value not in options:
+            raise ValueError(text)
+        return value
+    return parse
+
+
+_FLAGS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
+def _flag(text):
+    return _FLAGS[text.lower()]
+
+
+def _text(text):
+    return text
+
+
+KNOBS = {k.name: k for k in (
+    Knob("VKMOE_DEVICE", None, "a device index or a substring of its name", _text),
+    Knob("VKMOE_VALIDATION", False, "1/0 (or true/false, yes/no, on/off)", _flag),
+    Knob("VKMOE_TIMEOUT", 60.0, "a positive number of seconds", _positive_float),
+    Knob("VKMOE_CACHE_DIR", None, "a directory", _text),
+    Knob("VKMOE_BACKEND", None, "a backend name (vulkan or cpu)", str.lower),
+    Knob("VKMOE_DISPATCH", "auto", "auto, persistent or split", _choice("auto", "persistent", "split")),
+    Knob("VKMOE_DECODE", "auto", "auto, f16 or fp32", _choice("auto", "f16", "fp32")),
+    Knob("VKMOE_GEMM_WG_PER_CU", 4, "a positive integer", _int_at_least(1)),
+    Knob("VKMOE_MOE_ROWS", None, "1, 4, 8 or 16", _choice(1, 4, 8, 16, convert=int)),
+    Knob("VKMOE_PERSISTENT_GRID", None, "a positive integer", _int_at_least(1)),
+    Knob("VKMOE_PERSISTENT_WG_PER_CU", 1, "a positive integer", _int_at_least(1)),
+    Knob("VKMOE_PERSISTENT_MAX_M", None, "an integer >= 0", _int_at_least(0)),
+)}
+
+
+def get(name, environ=None):
+    """The value of knob `name` now: its default when unset or blank, else the parsed text."""
+    knob = KNOBS[name]
+    text = (os.environ if environ is None else environ).get(name)
+    if text is None or not text.strip():
+        return knob.default
+    try:
+        return knob.parse(text.strip())
+    except (ValueError, KeyError):
+        raise KnobError(name, knob.expected, text) from None
+
+
+def parse(name, text):
+    """`text` parsed as knob `name` would be (e.g. a dispatch= argument checked like VKMOE_DISPATCH)."""
+    return get(name, {name: text})
