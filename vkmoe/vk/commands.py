@@ -6,7 +6,7 @@ import numpy as np
 import vulkan as vk
 
 from .. import knobs
-from .errors import TimeoutError, VkmoeError, call
+from .errors import TimeoutError, VkmoeError, call, check
 
 ffi = vk.ffi
 
@@ -167,8 +167,7 @@ class CommandRecorder:
             if result == vk.VK_SUCCESS:
                 self._pending = False
                 return
-            if result != vk.VK_TIMEOUT:
-                raise VkmoeError(f"vkWaitForFences failed with VkResult {result} (device lost?)")
+            check("vkWaitForFences", result, ok=(vk.VK_TIMEOUT,))
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"the GPU did not finish within {timeout:g} s; the device may be hung and "
                                    "should be recreated")
@@ -187,8 +186,7 @@ class CommandRecorder:
         data = ffi.new("uint64_t[]", n)
         result = vk.lib.vkGetQueryPoolResults(self.device.handle, self._query_pool, 0, n, 8 * n, data, 8,
                                               vk.VK_QUERY_RESULT_64_BIT | vk.VK_QUERY_RESULT_WAIT_BIT)
-        if result != vk.VK_SUCCESS:
-            raise VkmoeError(f"vkGetQueryPoolResults failed with VkResult {result}")
+        check("vkGetQueryPoolResults", result)
         bits = self.device.timestamp_valid_bits
         mask = (1 << bits) - 1 if bits < 64 else (1 << 64) - 1
         ticks = [int(data[i]) & mask for i in range(n)]

@@ -7,7 +7,7 @@ import threading
 import vulkan as vk
 
 from .. import knobs
-from .errors import DeviceSelectionError, ValidationError, VkmoeError, call
+from .errors import DeviceSelectionError, ValidationError, VkmoeError, call, check
 
 ffi = vk.ffi
 log = logging.getLogger("vkmoe")
@@ -333,8 +333,7 @@ class Device:
         info.pQueueCreateInfos = queue_info
         handle = ffi.new("VkDevice*")
         result = vk.lib.vkCreateDevice(self.physical, info, ffi.NULL, handle)
-        if result != vk.VK_SUCCESS:
-            raise VkmoeError(f"vkCreateDevice failed with VkResult {result} on {self.name}")
+        check("vkCreateDevice", result)
         self.handle = handle[0]
         self.queue = vk.vkGetDeviceQueue(self.handle, self.queue_family, 0)
 

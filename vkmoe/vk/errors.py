@@ -34,4 +34,26 @@ def call(name, fn, *args):
     try:
         return fn(*args)
     except (vk.VkError, vk.VkException) as exc:  # the binding raises one class per VkResult
-        raise VulkanError(name, type(exc).__name__) from None
+        code = next((c for c, cls in vk.exception_codes.items() if isinstance(exc, cls)), None)
+        raise VulkanError(name, result_name(code) if code is not None else type(exc).__name__) from None
+
+
+_SUCCESS_CODES = ("VK_SUCCESS", "VK_NOT_READY", "VK_TIMEOUT", "VK_EVENT_SET", "VK_EVENT_RESET", "VK_INCOMPLETE",
+                  "VK_SUBOPTIMAL_KHR")
+
+
+def result_name(result):
+    """The name of a raw VkResult code, e.g. -4 -> "VK_ERROR_DEVICE_LOST" (the core name, not an alias)."""
+    import vulkan as vk
+
+    names = [n for n in dir(vk) if n.startswith("VK_ERROR_") or n in _SUCCESS_CODES]
+    matches = sorted((n for n in names if getattr(vk, n) == result), key=len)
+    return matches[0] if matches else f"VkResult {result}"
+
+
+def check(name, result, ok=(0,)):
+    """For `vk.lib` calls, which return a raw VkResult: raise VulkanError naming the call and the result unless
+    `result` is one of `ok` (VK_SUCCESS by default); returns the result."""
+    if result not in ok:
+        raise VulkanError(name, result_name(result))
+    return result

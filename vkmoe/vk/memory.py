@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import vulkan as vk
 
-from .errors import VkmoeError, call
+from .errors import VkmoeError, call, check
 
 ffi = vk.ffi
 
@@ -48,7 +48,7 @@ class _Block:
             result = vk.lib.vkMapMemory(dev.handle, self.memory, 0, size, 0, out)
             if result != vk.VK_SUCCESS:
                 self.destroy()
-                raise VkmoeError(f"vkMapMemory failed with VkResult {result}")
+                check("vkMapMemory", result)
             self.pointer = ffi.cast("char*", out[0])
         self.free = [(0, size)]  # sorted (offset, size) holes
 

@@ -13,7 +13,7 @@ import numpy as np
 import vulkan as vk
 
 from . import spirv
-from .errors import VkmoeError, call
+from .errors import VkmoeError, call, check
 
 ffi = vk.ffi
 SPV_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_spv")
@@ -184,8 +184,7 @@ class Pipeline:
         info.layout = self.layout
         out = ffi.new("VkPipeline*")
         result = vk.lib.vkCreateComputePipelines(self.device.handle, ffi.NULL, 1, info, ffi.NULL, out)
-        if result != vk.VK_SUCCESS:
-            raise VkmoeError(f"vkCreateComputePipelines({self.name}) failed with VkResult {result}")
+        check("vkCreateComputePipelines", result)
         self.handle = out[0]
 
     def push(self, **values):
