@@ -22,7 +22,7 @@ except ImportError as exc:  # pragma: no cover - exercised only on unbuilt check
 from .exl3 import Exl3Tensor
 from .layout import ACTIVATIONS as _ACT
 from .layout import CODEBOOKS as _CB_INDEX
-from .exl3.decode import CODEBOOKS, _as_trellis, codebook_table
+from .exl3.decode import CODEBOOKS, as_trellis, codebook_table
 from .exl3.reference import validate_moe_args
 
 __all__ = ["dequantize", "linear", "moe_forward", "isa", "isa_tiers", "set_max_isa"]
@@ -119,7 +119,7 @@ def dequantize(trellis, codebook: str = "mul1") -> np.ndarray:
     """Ŵ (k, n) as float32 through the native decoder (every value is exactly an fp16 of the GPU form)."""
     if codebook not in CODEBOOKS:
         raise ValueError(f"codebook: expected one of {', '.join(CODEBOOKS)}, got {codebook!r}")
-    tr = np.ascontiguousarray(_as_trellis(trellis))
+    tr = np.ascontiguousarray(as_trellis(trellis))
     k, n, bits = tr.shape[0] * 16, tr.shape[1] * 16, tr.shape[2] // 16
     out = np.empty((k, n), dtype=np.float32)
     st = _ffi.new("vkn_tensor *")

@@ -15,6 +15,7 @@ __all__ = [
     "TENSOR_CORE_PERM",
     "MUL1_C1",
     "MUL1_C0",
+    "as_trellis",
     "codebook_values",
     "codebook_table",
     "decode_states",
@@ -112,7 +113,8 @@ def state_index_table(bits: int):
     return tab
 
 
-def _as_trellis(trellis) -> np.ndarray:
+def as_trellis(trellis) -> np.ndarray:
+    """`trellis` checked as a (k/16, n/16, 16*K) uint16 (or int16) array, viewed as uint16."""
     t = np.asarray(trellis)
     if t.dtype not in (np.uint16, np.int16):
         raise TypeError(f"trellis: expected uint16 or int16, got dtype {t.dtype}")
@@ -123,7 +125,7 @@ def _as_trellis(trellis) -> np.ndarray:
 
 def decode_states(trellis) -> np.ndarray:
     """16-bit states of every tile, in encoded order t: uint16 (k/16, n/16, 256)."""
-    t = _as_trellis(trellis)
+    t = as_trellis(trellis)
     K = t.shape[2] // 16
     # Little-endian reinterpretation of word pairs: U[m] = T[2m] | T[2m+1] << 16.
     u = np.ascontiguousarray(t).view("<u4").astype(np.uint64)

@@ -2,13 +2,29 @@
 (the integer-dot-product build where the device has shaderIntegerDotProduct)."""
 import os
 import threading
+import weakref
 
 from .. import knobs
+from ..exl3.decode import MUL1_C0, MUL1_C1
 from ..layout import SPEC_F16_FMA_FUSED
 from ..vk import Pipeline, PushConstants, VkmoeError
 from ..vk.pipeline import SPV_DIR
+from ..vk.quirks import measure_f16_fma_rounds_once
 
 _lock = threading.Lock()
+_pipelines = weakref.WeakKeyDictionary()  # device -> {(name, spec): Pipeline}; the device destroys them on close
+_fma_fused = weakref.WeakKeyDictionary()  # device -> f16_fma_fused (one tiny dispatch per device and process)
+FP16_1024 = 0x6400  # fp16 bits of 1024.0: mul1 decodes (1024 + B) * c1 + c0 for byte sums B in 0..1020
+MUL1_BYTE_SUMS = 1021
+
+
+def f16_fma_fused(device):
+    """Whether the f16 build may decode mul1 with the fp16 fma directly: the driver's fma of (1024 + B, c1, c0)
+    rounds once for every byte sum B, giving the CUDA arm's bits (measured; else the exact fp32 form is used)."""
+    with _lock:
+        if device not in _fma_fused:
+            _fma_fused[device] = bool(measure_f16_fma_rounds_once(device, FP16_1024, MUL1_BYTE_SUMS, MUL1_C1, MUL1_C0))
+        return _fma_fused[device]
 
 
 class DequantPush(PushConstants):
@@ -53,10 +69,10 @@ def pipeline(device, shader, push, spec=None, decode=False, binding_count=None):
     if variant == "f16":
         # the exact fused fp16 fma for mul1 only where the driver was measured to fuse it
         spec = dict(spec or {})
-        spec[SPEC_F16_FMA_FUSED] = bool(device.quirks.get("f16_fma_fused"))
+        spec[SPEC_F16_FMA_FUSED] = f16_fma_fused(device)
     key = (name, tuple(sorted((spec or {}).items())))
     with _lock:
-        cache = device.__dict__.setdefault("_vkmoe_pipelines", {})
+        cache = _pipelines.setdefault(device, {})
         pipe = cache.get(key)
         if pipe is None or pipe.handle is None:
             pipe = cache[key] = Pipeline(device, name, push=push, spec=spec, binding_count=binding_count,

@@ -17,6 +17,7 @@ import numpy as np
 
 from ..vk import CommandRecorder, Pipeline, PushConstants
 from ..vk.errors import VkmoeError
+from ..vk.report import format_info
 from . import residency
 
 DEFAULT_WORKGROUP_SIZE = 256
@@ -433,8 +434,6 @@ def probe_residency(device=None, variants=None, progress=True, repeats=5, rounds
 
 def format_report(report):
     """The human-readable report (what `python -m vkmoe probe` prints without --json)."""
-    from ..__main__ import format_info
-
     lines = [format_info(report["device"]), "", "Co-resident workgroups (measured in the kernel):"]
     cu = report["device"].get("compute_units")
     for v in report["variants"]:

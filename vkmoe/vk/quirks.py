@@ -71,14 +71,24 @@ def measure_loop_iteration_cap(device):
     return None if ran >= PROBE_ITERATIONS else ran
 
 
-def measure_f16_fma_fused(device):
-    """True when the driver's fp16 fma(1024 + B, c1, c0) rounds once for every mul1 byte sum B, i.e. the packed
-    fp16 mul1 decode gives the CUDA arm's exact bits; None when the device has no fp16 arithmetic."""
+def measure_f16_fma_rounds_once(device, first, count, c1, c0):
+    """True when the driver's fp16 fma(a, c1, c0) equals the exact a * c1 + c0 rounded once to fp16 for the
+    `count` consecutive fp16 values a from bit pattern `first` (c1, c0: fp16 values the caller picks); None when
+    the device has no fp16 arithmetic."""
+    from .pipeline import PushConstants
+
     if not device.features.get("shaderFloat16"):
         return None
-    got = _run_probe_shader(device, "f16_fma_probe", np.zeros(1024, np.uint32), 16)[:1021].astype(np.uint16)
-    exact = ((1024 + np.arange(1021)) * 1774 - 2721792).astype(np.float64) * 2.0 ** -18  # (1024+B)*c1 + c0
-    return bool(np.array_equal(got, exact.astype(np.float16).view(np.uint16)))
+
+    class FmaProbePush(PushConstants):
+        fields = [("first", "<u4"), ("count", "<u4"), ("c1_c0", "<u4")]
+
+    c1_bits, c0_bits = (int(np.float16(c).view(np.uint16)) for c in (c1, c0))
+    push = FmaProbePush(first=first, count=count, c1_c0=c1_bits | c0_bits << 16)
+    got = _run_probe_shader(device, "f16_fma_probe", np.zeros(count, np.uint32), -(-count // 64), push)
+    a = np.arange(first, first + count, dtype=np.uint16).view(np.float16).astype(np.float64)
+    exact = a * np.float64(np.float16(c1)) + np.float64(np.float16(c0))  # exact in float64: 11-bit operands
+    return bool(np.array_equal(got.astype(np.uint16), exact.astype(np.float16).view(np.uint16)))
 
 
 def measure_subgroups_linear(device):
@@ -86,8 +96,7 @@ def measure_subgroups_linear(device):
     return bool(_run_probe_shader(device, "subgroup_layout_probe", np.zeros(256, np.uint32), 1).all())
 
 
-MEASUREMENTS = {"loop_iteration_cap": measure_loop_iteration_cap, "f16_fma_fused": measure_f16_fma_fused,
-                "subgroups_linear": measure_subgroups_linear}
+MEASUREMENTS = {"loop_iteration_cap": measure_loop_iteration_cap, "subgroups_linear": measure_subgroups_linear}
 
 
 def detect_quirks(device, refresh=False):
