@@ -58,7 +58,9 @@ def compile_shaders(force=False, verbose=True):
     Returns the number of SPIR-V files built."""
     glslc = shutil.which("glslc")
     write_layout_header()
-    sources = sorted(glob.glob(os.path.join(SHADER_DIR, "*.comp")))
+    # shaders/probes/: the driver and residency probes (same output directory: names are unique)
+    sources = sorted(glob.glob(os.path.join(SHADER_DIR, "*.comp"))
+                     + glob.glob(os.path.join(SHADER_DIR, "probes", "*.comp")))
     includes = glob.glob(os.path.join(SHADER_DIR, "include", "**", "*.glsl"), recursive=True)
     newest_include = max((os.path.getmtime(p) for p in includes), default=0.0)
     os.makedirs(SPV_DIR, exist_ok=True)

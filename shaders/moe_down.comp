@@ -1,6 +1,6 @@
 #version 450
 // vkmoe-variants: idot=-DEXL3_IDOT f16=-DEXL3_IDOT,-DEXL3_F16
-// Split path, dispatch 4 of 4: down GEMM; the last k-split of a band writes the weighted (token, slot) rows
+// Split path, dispatch 3 of 3: down GEMM; the last k-split of a band writes the weighted (token, slot) rows
 // (stage 5) and the last slot of a token sums them.
 #include "common.glsl"
 #define WG_SIZE 256u

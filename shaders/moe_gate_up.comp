@@ -1,6 +1,6 @@
 #version 450
 // vkmoe-variants: idot=-DEXL3_IDOT f16=-DEXL3_IDOT,-DEXL3_F16
-// Split path, dispatch 3 of 4: gate/up GEMM; the last k-split of a band runs the activation (stage 3).
+// Split path, dispatch 2 of 3: gate/up GEMM; the last k-split of a band runs the activation (stage 3).
 // Grid: x = items per chunk, y = max_chunks (chunks beyond the routed count exit).
 #include "common.glsl"
 #define WG_SIZE 256u

@@ -26,7 +26,8 @@ bool gemm_finish_partial(uint partial_base, uint row_stride, uint p0, uint nr, u
         barrier();
         for (uint i = tid; i < 4u * BAND; i += WG_SIZE) {
             uint rr = i / BAND, col = i % BAND;
-            if (r0 + rr < nr) partial[partial_base + (p0 + r0 + rr) * row_stride + band * BAND + col] = gemm_red_sum(rr, col);
+            if (r0 + rr < nr)
+                partial[partial_base + (p0 + r0 + rr) * row_stride + band * BAND + col] = gemm_red_sum(rr, col);
         }
     }
     // Makes the partials available device-wide before the release below; the acquire side makes the other
@@ -36,7 +37,8 @@ bool gemm_finish_partial(uint partial_base, uint row_stride, uint p0, uint nr, u
         uint arrived = atomicAdd(LAST_ARRIVAL_BUF[counter], 1u, gl_ScopeQueueFamily, gl_StorageSemanticsBuffer,
                                  gl_SemanticsAcquireRelease | gl_SemanticsMakeAvailable | gl_SemanticsMakeVisible);
         s_last = arrived == arrivals - 1u;
-        if (s_last) atomicStore(LAST_ARRIVAL_BUF[counter], 0u, gl_ScopeQueueFamily, gl_StorageSemanticsBuffer, gl_SemanticsRelaxed);
+        if (s_last)
+            atomicStore(LAST_ARRIVAL_BUF[counter], 0u, gl_ScopeQueueFamily, gl_StorageSemanticsBuffer, gl_SemanticsRelaxed);
     }
     WG_BARRIER_DEVICE();
     return wg_uniform(uint(s_last)) != 0u;  // callers branch on it around code with barriers (Mesa 22.3)

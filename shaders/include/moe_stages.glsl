@@ -1,5 +1,5 @@
 // The stage bodies of the fused EXL3 MoE MLP (spec section 8.6), written once and used by both the split
-// dispatches (moe_route / moe_stage1 / moe_gate_up / moe_down .comp) and the persistent kernel.
+// dispatches (moe_route (routing + stage 1) / moe_gate_up / moe_down .comp) and the persistent kernel.
 //
 // Work is cut into items that need no data from other workgroups except through the GEMM's last-arrival
 // counters (which never wait), so stages 3 and 5 run in whichever workgroup completes a 128-column band:

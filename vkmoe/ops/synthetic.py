@@ -16,7 +16,7 @@ from ..exl3 import Exl3Tensor
 from ..exl3.decode import codebook_table
 from ..vk import CommandRecorder, PushConstants
 from . import kernels
-from ..layout import ACTIVATIONS, CODEBOOKS
+from ..layout import ACTIVATIONS, CODEBOOKS, ceil_div
 from .moe import Exl3MoeMlp
 
 __all__ = ["FillPush", "SyntheticProjection", "fill_random", "fill_words_numpy", "random_projection",
@@ -75,8 +75,8 @@ def fill_random(device, buf, seed, cmd=None):
         base = 0
         while base < count:
             left = count - base
-            gx = min(gx_max, -(-left // FILL_WORKGROUP))
-            rows = min(rows_max, -(-left // (gx * FILL_WORKGROUP)))
+            gx = min(gx_max, ceil_div(left, FILL_WORKGROUP))
+            rows = min(rows_max, ceil_div(left, gx * FILL_WORKGROUP))
             cmd.dispatch(pipe, dset, (gx, rows), FillPush(base=base, count=count, seed=int(seed) & 0xFFFFFFFF))
             base += gx * rows * FILL_WORKGROUP
         cmd.barrier()

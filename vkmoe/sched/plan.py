@@ -8,7 +8,7 @@ workgroups stay off in auto mode unless forced.
 """
 from dataclasses import asdict, dataclass
 
-from .. import knobs
+from .. import knobs, layout
 from ..layout import PERSISTENT_ROUTE_MAX_EXPERTS
 from . import residency
 
@@ -62,11 +62,10 @@ def _workgroups_per_cu():
 def work_loop_iterations(moe_plan, E, H, I, gated):
     """A generous bound on the loop iterations one invocation may spend on work items if it ended up doing all
     of them (tickets are dynamic, so one workgroup can). Only matters on drivers with a loop cap."""
-    R = moe_plan.R
-    chunks = moe_plan.max_chunks
-    stage1 = (R * (H // 128) + 1) // 2 * 40
-    gate_up = chunks * (I // 128) * (2 if gated else 1) * moe_plan.splits_gu * (moe_plan.kt_gu // 4 + 80)
-    down = chunks * (H // 128) * moe_plan.splits_d * (moe_plan.kt_d // 4 + 80)
+    p = moe_plan
+    stage1 = layout.stage1_items(p.m, p.top_k, H) * 40
+    gate_up = p.max_chunks * layout.gate_up_items_per_chunk(I, gated, p.splits_gu) * (p.kt_gu // 4 + 80)
+    down = p.max_chunks * layout.down_items_per_chunk(H, p.splits_d) * (p.kt_d // 4 + 80)
     return 2000 + stage1 + gate_up + down
 
 

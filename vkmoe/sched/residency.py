@@ -97,15 +97,6 @@ def store(device, report):
     return cache_path()
 
 
-def forget(device=None):
-    """Drop the entries of `device` (or the whole cache)."""
-    with _lock:
-        data = _load() if device is not None else {}
-        if device is not None:
-            data.pop(device_key(device), None)
-        _save(data)
-
-
 CROSSOVER_KEY = "moe-dispatch-crossover"
 
 

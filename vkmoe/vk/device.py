@@ -7,7 +7,7 @@ import threading
 import vulkan as vk
 
 from .. import knobs
-from .errors import DeviceSelectionError, ValidationError, VkmoeError, call, check
+from .errors import DeviceSelectionError, VkmoeError, call, check
 
 ffi = vk.ffi
 log = logging.getLogger("vkmoe")
@@ -397,11 +397,6 @@ class Device:
         messages = list(self.instance.messages)
         self.instance.messages.clear()
         return messages
-
-    def check_validation(self):
-        messages = self.take_validation_messages()
-        if messages:
-            raise ValidationError(f"{len(messages)} validation message(s); first: {messages[0]}")
 
     # ------------------------------------------------------------------------------------------- lifetime
     def track(self, obj):

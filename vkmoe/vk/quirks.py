@@ -85,7 +85,7 @@ def measure_f16_fma_rounds_once(device, first, count, c1, c0):
 
     c1_bits, c0_bits = (int(np.float16(c).view(np.uint16)) for c in (c1, c0))
     push = FmaProbePush(first=first, count=count, c1_c0=c1_bits | c0_bits << 16)
-    got = _run_probe_shader(device, "f16_fma_probe", np.zeros(count, np.uint32), -(-count // 64), push)
+    got = _run_probe_shader(device, "f16_fma_probe", np.zeros(count, np.uint32), (count + 63) // 64, push)
     a = np.arange(first, first + count, dtype=np.uint16).view(np.float16).astype(np.float64)
     exact = a * np.float64(np.float16(c1)) + np.float64(np.float16(c0))  # exact in float64: 11-bit operands
     return bool(np.array_equal(got.astype(np.uint16), exact.astype(np.float16).view(np.uint16)))
