@@ -52,21 +52,21 @@ void main() {
         return;
 
     for (uint r0 = 0u; r0 < nr; r0 += 4u) {
-        for (uint i = tid; i < 4u * 128u; i += WG_SIZE) {
-            uint rr = i >> 7, col = i & 127u;
+        for (uint i = tid; i < 4u * BAND; i += WG_SIZE) {
+            uint rr = i / BAND, col = i % BAND;
             float v = 0.0;
             if (r0 + rr < nr) {
-                uint e = (row0 + r0 + rr) * pc.n + band * 128u + col;
+                uint e = (row0 + r0 + rr) * pc.n + band * BAND + col;
                 for (uint s = 0u; s < pc.splits; ++s) v += partial[s * pc.m * pc.n + e];
             }
             had_buf[i] = v;
         }
         barrier();
         had_fwht(4u);
-        for (uint i = tid; i < 4u * 64u; i += WG_SIZE) {
-            uint rr = i >> 6, c = band * 128u + (i & 63u) * 2u;
+        for (uint i = tid; i < 4u * 64u; i += WG_SIZE) {  // 4 rows x 64 fp16 pairs of the band
+            uint rr = i >> 6, c = band * BAND + (i & 63u) * 2u;
             if (r0 + rr < nr) {
-                uint b = rr * 128u + (i & 63u) * 2u;
+                uint b = rr * BAND + (i & 63u) * 2u;
                 vec2 s = unpackHalf2x16(svh[c >> 1]);
                 vec2 v = vec2(rn16(rn16(had_buf[b] * HAD_SCALE) * s.x), rn16(rn16(had_buf[b + 1u] * HAD_SCALE) * s.y));
                 if (HAS_BIAS) v += unpackHalf2x16(bias[c >> 1]);
