@@ -25,10 +25,10 @@ ACTIVATIONS = {"silu": 0, "gelu": 1, "relu2": 2, "swiglu_oai": 3, "gelu_erf": 4}
 GATELESS_ACTIVATIONS = ("relu2",)
 CODEBOOKS = {"3inst": 0, "mcg": 1, "mul1": 2}  # CB_*
 
-# Abort codes the persistent kernel leaves in sync word SYNC_ABORT (0 = it ran to the end).
-ABORT_SPIN, ABORT_LOCK, ABORT_BARRIER, ABORT_CHECK = 1, 2, 3, 4
+# Abort codes the persistent kernel leaves in sync word SYNC_ABORT (0 = it ran to the end); sync.glsl sets them.
+ABORT_SPIN, ABORT_LOCK, ABORT_BARRIER = 1, 2, 3
 ABORT_REASONS = {ABORT_SPIN: "a spin ran out of its bound", ABORT_LOCK: "a ticket lock timed out",
-                 ABORT_BARRIER: "a grid barrier timed out", ABORT_CHECK: "a self-check failed"}
+                 ABORT_BARRIER: "a grid barrier timed out"}
 
 # ------------------------------------------------------------------------------ specialization-constant ids
 # MoE shaders (moe_bindings.glsl)
@@ -142,7 +142,7 @@ def _defines():
         yield f"ACT_{name.upper()}", str(value)
     for name, value in CODEBOOKS.items():
         yield f"CB_{name.upper()}", str(value)
-    for name in ("SPIN", "LOCK", "BARRIER", "CHECK"):
+    for name in ("SPIN", "LOCK", "BARRIER"):
         yield f"ABORT_{name}", f"{globals()['ABORT_' + name]}u"
     for name in ("K_GATE", "K_UP", "K_DOWN", "CB", "ROWS", "ACT"):
         yield f"SPEC_MOE_{name}", str(globals()["SPEC_MOE_" + name])
