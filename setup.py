@@ -14,6 +14,9 @@ from setuptools.command.build_py import build_py
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHADER_DIR = os.path.join(HERE, "shaders")
 SPV_DIR = os.path.join(HERE, "vkmoe", "_spv")
+# Shaders only the tests use: compiled beside them (tests/_spv), outside the package.
+TEST_SHADER_DIR = os.path.join(HERE, "tests", "shaders")
+TEST_SPV_DIR = os.path.join(HERE, "tests", "_spv")
 # Vulkan 1.2 SPIR-V 1.5 is the floor: the Vulkan memory model (device-scope acquire/release) needs it.
 GLSLC_FLAGS = ["--target-env=vulkan1.2", "-O", "-I", os.path.join(SHADER_DIR, "include")]
 LAYOUT_MODULE = os.path.join(HERE, "vkmoe", "layout.py")
@@ -54,20 +57,22 @@ def shader_variants(src):
 
 
 def compile_shaders(force=False, verbose=True):
-    """Compile every shaders/*.comp (and its variants) that is older than its source or any include.
+    """Compile every shaders/*.comp, shaders/probes/*.comp (into vkmoe/_spv) and tests/shaders/*.comp (into
+    tests/_spv), with their variants, that is older than its source or any include.
     Returns the number of SPIR-V files built."""
     glslc = shutil.which("glslc")
     write_layout_header()
     # shaders/probes/: the driver and residency probes (same output directory: names are unique)
-    sources = sorted(glob.glob(os.path.join(SHADER_DIR, "*.comp"))
-                     + glob.glob(os.path.join(SHADER_DIR, "probes", "*.comp")))
+    sources = [(src, SPV_DIR) for src in sorted(glob.glob(os.path.join(SHADER_DIR, "*.comp"))
+                                                + glob.glob(os.path.join(SHADER_DIR, "probes", "*.comp")))]
+    sources += [(src, TEST_SPV_DIR) for src in sorted(glob.glob(os.path.join(TEST_SHADER_DIR, "*.comp")))]
     includes = glob.glob(os.path.join(SHADER_DIR, "include", "**", "*.glsl"), recursive=True)
     newest_include = max((os.path.getmtime(p) for p in includes), default=0.0)
-    os.makedirs(SPV_DIR, exist_ok=True)
     built = 0
-    for src in sources:
+    for src, spv_dir in sources:
+        os.makedirs(spv_dir, exist_ok=True)
         for name, flags in shader_variants(src):
-            out = os.path.join(SPV_DIR, name + ".spv")
+            out = os.path.join(spv_dir, name + ".spv")
             if not force and os.path.exists(out):
                 if os.path.getmtime(out) >= max(os.path.getmtime(src), newest_include):
                     continue

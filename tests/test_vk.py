@@ -12,6 +12,9 @@ import vkmoe
 from vkmoe.vk import CommandRecorder, Pipeline, PushConstants
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Test-only shaders (tests/shaders/*.comp), compiled by `setup.py build_shaders` into tests/_spv, not the package.
+SAXPY = os.path.join(ROOT, "tests", "_spv", "test_saxpy.spv")
+SPIN = os.path.join(ROOT, "tests", "_spv", "test_spin.spv")
 
 
 class SaxpyPush(PushConstants):
@@ -61,7 +64,7 @@ def test_saxpy_spec_and_push(dev):
     n = 1000
     rng = np.random.default_rng(2)
     x, y = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
-    pipe = Pipeline(dev, "test_saxpy", push=SaxpyPush, spec={0: 0.25})
+    pipe = Pipeline(dev, SAXPY, push=SaxpyPush, spec={0: 0.25})
     bx, by = dev.memory.allocate(x.nbytes), dev.memory.allocate(y.nbytes)
     try:
         bx.upload(x)
@@ -82,7 +85,7 @@ def test_saxpy_spec_and_push(dev):
 
 
 def test_typed_push_and_spec_errors(dev):
-    pipe = Pipeline(dev, "test_saxpy", push=SaxpyPush, spec={0: 1.0})
+    pipe = Pipeline(dev, SAXPY, push=SaxpyPush, spec={0: 1.0})
     try:
         with pytest.raises(TypeError):
             pipe.push(a=1.0)  # missing n
@@ -93,19 +96,19 @@ def test_typed_push_and_spec_errors(dev):
     finally:
         pipe.close()
     with pytest.raises(vkmoe.VkmoeError, match="specialization constant id 7"):
-        Pipeline(dev, "test_saxpy", push=SaxpyPush, spec={7: 1})
+        Pipeline(dev, SAXPY, push=SaxpyPush, spec={7: 1})
 
     class WrongSize(PushConstants):
         fields = [("a", "<f4")]
 
     with pytest.raises(vkmoe.VkmoeError, match="push-constant"):
-        Pipeline(dev, "test_saxpy", push=WrongSize)
+        Pipeline(dev, SAXPY, push=WrongSize)
 
 
 def test_wait_timeout_raises_then_recovers(dev):
     # A bounded kernel (per-invocation loop below lavapipe 22.3's cap) that runs far longer than 1 ms.
     groups, iterations = 1024, 20000
-    pipe = Pipeline(dev, "test_spin", push=SpinPush)
+    pipe = Pipeline(dev, SPIN, push=SpinPush)
     buf = dev.memory.allocate(4 * (1024 + 64 * groups))
     try:
         buf.upload(np.arange(1024 + 64 * groups, dtype=np.uint32))
@@ -166,7 +169,7 @@ def test_no_leak_over_1000_cycles(dev):
     for i in range(1001):
         if i == 1:  # after one warm-up cycle: the manager keeps one empty block per memory kind for reuse
             blocks, children = dev.memory.block_count(), len(dev._children)
-        pipe = Pipeline(dev, "test_saxpy", push=SaxpyPush, spec={0: float(i)})
+        pipe = Pipeline(dev, SAXPY, push=SaxpyPush, spec={0: float(i)})
         bx, by = dev.memory.allocate(x.nbytes), dev.memory.allocate(x.nbytes, host_visible=(i % 2 == 0))
         bx.upload(x)
         by.upload(x)
@@ -184,15 +187,16 @@ def test_no_leak_over_1000_cycles(dev):
 def test_device_create_destroy_cycles():
     # In a subprocess so that the RSS measured is this loop's alone.
     code = r"""
-import resource, vkmoe, numpy as np
+import resource, sys, vkmoe, numpy as np
 from vkmoe.vk import CommandRecorder, Pipeline, PushConstants
+SAXPY = sys.argv[1]
 class P(PushConstants):
     fields = [("a", "<f4"), ("n", "<u4")]
 def cycle():
     d = vkmoe.Device()
     b = d.memory.allocate(1 << 16)
     b.upload(np.ones(16, np.float32))
-    p = Pipeline(d, "test_saxpy", push=P, spec={0: 1.0})
+    p = Pipeline(d, SAXPY, push=P, spec={0: 1.0})
     rec = CommandRecorder(d)
     rec.begin(); rec.dispatch(p, p.bind(b, b), 1, p.push(a=1.0, n=16)); rec.end(); rec.submit(timeout=30)
     d.close()  # closes what it still tracks: the buffer, the pipeline and the recorder
@@ -206,7 +210,7 @@ for _ in range(200):
 r1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 print((r1 - r0) // 1024)
 """
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+    out = subprocess.run([sys.executable, "-c", code, SAXPY], cwd=ROOT, capture_output=True, text=True, timeout=120,
                          env=dict(os.environ, PYTHONPATH=ROOT))
     assert out.returncode == 0, out.stderr[-2000:]
     grown_mib = int(out.stdout.strip().splitlines()[-1])
@@ -218,6 +222,6 @@ def test_failed_pipeline_creation_leaks_nothing():
     dev = vkmoe.Device()
     dev.take_validation_messages()
     with pytest.raises(vkmoe.VkmoeError, match="specialization constant id 7"):
-        Pipeline(dev, "test_saxpy", push=SaxpyPush, spec={7: 1})
+        Pipeline(dev, SAXPY, push=SaxpyPush, spec={7: 1})
     dev.close()
     assert dev.take_validation_messages() == []

@@ -20,7 +20,8 @@ SPV_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def load_spirv(name):
-    path = os.path.join(SPV_DIR, name + ".spv")
+    """The SPIR-V of vkmoe shader `name` (vkmoe/_spv/NAME.spv), or of the .spv file at path `name`."""
+    path = name if name.endswith(".spv") else os.path.join(SPV_DIR, name + ".spv")
     if not os.path.exists(path):
         raise VkmoeError(
             f"compiled shader {name}.spv not found in {SPV_DIR}; build it with `python setup.py build_shaders` "
