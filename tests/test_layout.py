@@ -96,14 +96,30 @@ def test_constant_ids_are_named():
         assert not literal, f"{'/'.join(parts)}: {literal}"
 
 
-def test_moe_push_matches_the_glsl_block():
-    """The push-constant block's field order is part of the contract too."""
-    from vkmoe.ops.moe import MoePush
-
-    block = re.search(r"uniform MoePush \{(.*?)\} pc;", _read("shaders", "include", "moe_bindings.glsl"), re.S)
+def _push_fields(glsl):
+    """(name, 'u4'/'f4') of a shader's push-constant block, in order."""
+    block = re.search(r"uniform \w+ \{(.*?)\} pc;", glsl, re.S)
     body = re.sub(r"//[^\n]*", "", block.group(1))
-    names = re.findall(r"(\w+)\s*[,;]", re.sub(r"\b(uint|float)\b", "", body))
-    assert names == [name for name, _ in MoePush.fields]
+    fields = []
+    for kind, names in re.findall(r"\b(uint|float)\s+([\w\s,]+);", body):
+        fields += [(name.strip(), "<u4" if kind == "uint" else "<f4") for name in names.split(",")]
+    return fields
+
+
+@pytest.mark.parametrize("shader, push", [
+    (("shaders", "include", "moe_bindings.glsl"), "vkmoe.ops.moe:MoePush"),
+    (("shaders", "exl3_linear.comp"), "vkmoe.ops.kernels:LinearPush"),
+    (("shaders", "exl3_had_in.comp"), "vkmoe.ops.kernels:HadInPush"),
+    (("shaders", "exl3_dequant.comp"), "vkmoe.ops.kernels:DequantPush"),
+    (("shaders", "fill_random.comp"), "vkmoe.ops.synthetic:FillPush"),
+], ids=lambda v: v if isinstance(v, str) else v[-1])
+def test_push_blocks_match_their_python_types(shader, push):
+    """A push-constant block's field names, types and order are part of the contract too (the pipeline checks
+    only the size)."""
+    import importlib
+
+    module, name = push.split(":")
+    assert _push_fields(_read(*shader)) == list(getattr(importlib.import_module(module), name).fields)
 
 
 def test_sizes_and_grids():
