@@ -48,3 +48,90 @@ def test_unrouted_tokens_get_zero_rows_past_the_loop_cap(device, tiny_layer):
                                 activation="silu")
     assert rel_rms(outs["split"][:1], ref) < TOL
     assert np.array_equal(outs["split"], outs["persistent"])
+
+
+# ------------------------------------------------------------------------------------ 2: a closed device
+def _run_script(body, env=None, timeout=240):
+    """Run `body` in a fresh interpreter (a crash must not take the test run with it); returns the result."""
+    script = textwrap.dedent("""
+        import sys, threading
+        import numpy as np
+        sys.path.insert(0, {tests!r})
+        import vkmoe
+        from goldens import load_layer
+        L = load_layer({tiny!r})
+    """).format(tests=os.path.join(REPO, "tests"), tiny=TINY) + textwrap.dedent(body)
+    full_env = dict(os.environ, **(env or {}))
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout,
+                          env=full_env, cwd=REPO)
+
+
+def _assert_closed_error(result):
+    assert result.returncode == 0, f"exit {result.returncode}\nstdout: {result.stdout}\nstderr: {result.stderr[-3000:]}"
+    assert "OK" in result.stdout, result.stdout
+    assert "validation:" not in result.stderr, result.stderr[-3000:]
+
+
+CLOSED_CASES = {
+    "layer called after close": """
+        dev = vkmoe.Device()
+        moe = vkmoe.Exl3MoeMlp(dev, L.gate, L.up, L.down, dispatch="split")
+        c = L.calls[0]
+        moe(c["x"], c["selected"], c["weights"])
+        dev.close()
+        try:
+            moe(c["x"], c["selected"], c["weights"])
+        except vkmoe.VkmoeError as exc:
+            assert "is closed" in str(exc) and "vkmoe.Device" in str(exc), exc
+            print("OK", exc)
+        moe.close()  # closing the layer afterwards is harmless
+    """,
+    "op created on a closed device": """
+        dev = vkmoe.Device()
+        dev.close()
+        for make in (lambda: vkmoe.Exl3MoeMlp(dev, L.gate, L.up, L.down),
+                     lambda: vkmoe.Exl3Linear(dev, L.up[0]),
+                     lambda: dev.memory.allocate(64),
+                     lambda: vkmoe.CommandRecorder(dev)):
+            try:
+                make()
+                raise SystemExit("no error")
+            except vkmoe.VkmoeError as exc:
+                assert "is closed" in str(exc), exc
+        print("OK")
+    """,
+    "close while another thread runs forwards": """
+        dev = vkmoe.Device()
+        moe = vkmoe.Exl3MoeMlp(dev, L.gate, L.up, L.down, dispatch="split")
+        c = L.calls[0]
+        ref = moe(c["x"], c["selected"], c["weights"])
+        outcome = {}
+        started = threading.Event()
+        def worker():
+            n = 0
+            try:
+                while True:
+                    y = moe(c["x"], c["selected"], c["weights"])
+                    assert np.array_equal(y, ref)
+                    n += 1
+                    started.set()
+            except vkmoe.VkmoeError as exc:
+                outcome["error"], outcome["n"] = exc, n
+            except BaseException as exc:
+                outcome["other"] = exc
+            started.set()
+        t = threading.Thread(target=worker)
+        t.start()
+        started.wait(120)
+        dev.close()
+        t.join(120)
+        assert "other" not in outcome, outcome
+        assert "is closed" in str(outcome["error"]), outcome
+        print("OK", outcome["n"], "forwards before close")
+    """,
+}
+
+
+@pytest.mark.parametrize("case", sorted(CLOSED_CASES))
+def test_closed_device_raises_instead_of_crashing(case):
+    _assert_closed_error(_run_script(CLOSED_CASES[case]))

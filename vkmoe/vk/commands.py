@@ -25,6 +25,7 @@ class CommandRecorder:
     """
 
     def __init__(self, device, timestamps=0, untracked=False):
+        device.check_open()
         self.device = device
         h = device.handle
         self._pool = call("vkCreateCommandPool", vk.vkCreateCommandPool, h, vk.VkCommandPoolCreateInfo(
@@ -54,6 +55,7 @@ class CommandRecorder:
 
     # ------------------------------------------------------------------------------------------- recording
     def begin(self):
+        self._check_open()
         if self._pending:
             self.wait()
         call("vkResetCommandBuffer", vk.vkResetCommandBuffer, self.handle, 0)
@@ -66,7 +68,13 @@ class CommandRecorder:
             vk.vkCmdResetQueryPool(self.handle, self._query_pool, 0, self.timestamp_slots)
         return self
 
+    def _check_open(self):
+        self.device.check_open()
+        if self.handle is None:
+            raise VkmoeError("CommandRecorder used after close()")
+
     def _check_recording(self):
+        self._check_open()
         if not self._recording:
             raise VkmoeError("record commands between begin() and end()")
 
@@ -139,12 +147,13 @@ class CommandRecorder:
 
     # ----------------------------------------------------------------------------------------- submission
     def submit(self, wait=True, timeout=None):
+        self._check_open()
         if not self._recorded:
             raise VkmoeError("submit() needs a recorded command buffer (begin() ... end())")
         if self._pending:
             self.wait(timeout)
         dev = self.device
-        with dev._lock:
+        with dev.use(), dev._lock:
             call("vkResetFences", vk.vkResetFences, dev.handle, 1, [self._fence])
             info = vk.VkSubmitInfo(sType=vk.VK_STRUCTURE_TYPE_SUBMIT_INFO, commandBufferCount=1,
                                    pCommandBuffers=[self.handle])
@@ -158,6 +167,10 @@ class CommandRecorder:
         """Wait for the last submission; raise vkmoe.TimeoutError after `timeout` seconds."""
         if not self._pending:
             return
+        with self.device.use():  # close() waits for this wait (bounded by `timeout`) instead of freeing the fence
+            self._wait(timeout)
+
+    def _wait(self, timeout):
         timeout = DEFAULT_TIMEOUT_S if timeout is None else float(timeout)
         deadline = time.monotonic() + timeout
         while True:
@@ -186,8 +199,10 @@ class CommandRecorder:
         if n == 0:
             return []
         data = ffi.new("uint64_t[]", n)
-        result = vk.lib.vkGetQueryPoolResults(self.device.handle, self._query_pool, 0, n, 8 * n, data, 8,
-                                              vk.VK_QUERY_RESULT_64_BIT | vk.VK_QUERY_RESULT_WAIT_BIT)
+        with self.device.use():
+            self._check_open()
+            result = vk.lib.vkGetQueryPoolResults(self.device.handle, self._query_pool, 0, n, 8 * n, data, 8,
+                                                  vk.VK_QUERY_RESULT_64_BIT | vk.VK_QUERY_RESULT_WAIT_BIT)
         if result != vk.VK_SUCCESS:
             raise VkmoeError(f"vkGetQueryPoolResults failed with VkResult {result}")
         bits = self.device.timestamp_valid_bits

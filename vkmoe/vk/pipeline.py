@@ -75,6 +75,7 @@ class Pipeline:
 
     def __init__(self, device, shader, push=None, spec=None, required_subgroup_size=None, binding_count=None,
                  allow_unused_spec=False):
+        device.check_open()
         self.device = device
         self.name = shader
         code = load_spirv(shader)
@@ -244,7 +245,7 @@ class _DescriptorPools:
         return entry
 
     def allocate(self, layout, buffers):
-        with self._lock:
+        with self.device.use(), self._lock:
             return self._allocate(layout, buffers)
 
     def _allocate(self, layout, buffers):
