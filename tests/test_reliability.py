@@ -135,3 +135,93 @@ CLOSED_CASES = {
 @pytest.mark.parametrize("case", sorted(CLOSED_CASES))
 def test_closed_device_raises_instead_of_crashing(case):
     _assert_closed_error(_run_script(CLOSED_CASES[case]))
+
+
+# --------------------------------------------------------------------- 3, 4: malformed or unwritable caches
+from vkmoe.sched import residency  # noqa: E402
+from vkmoe.vk import quirks  # noqa: E402
+from vkmoe.vk.cachefile import CacheWarning  # noqa: E402
+
+
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch):
+    """An empty cache directory of the test's own, with nothing remembered from earlier measurements."""
+    monkeypatch.setenv("VKMOE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(quirks, "_measured", {})
+    monkeypatch.setattr(residency, "_unsaved", {})
+    (tmp_path / "cache").mkdir()
+    return tmp_path / "cache"
+
+
+def _write(path, text):
+    path.write_text(text)
+    return path
+
+
+def _forward_ok(dev, L, dispatch):
+    c = L.calls[0]
+    with vkmoe.Exl3MoeMlp(dev, L.gate, L.up, L.down, activation="silu") as moe:
+        y = moe(c["x"], c["selected"], c["weights"], dispatch=dispatch)
+    ref = reference.moe_forward(c["x"], c["selected"], c["weights"], L.gate, L.up, L.down, activation="silu")
+    assert rel_rms(y, ref) < TOL, dispatch
+
+
+@pytest.mark.parametrize("content", ["[]", "{not json", "\xff\xfe", '{"KEY": "abc"}',
+                                     '{"KEY": {"loop_iteration_cap": "abc", "f16_fma_fused": false, '
+                                     '"subgroups_linear": true}}',
+                                     '{"KEY": {"loop_iteration_cap": null, "f16_fma_fused": 3, '
+                                     '"subgroups_linear": true}}'])
+def test_malformed_quirks_cache_is_measured_again_and_repaired(device, fresh_cache, content):
+    truth = dict(device.quirks)  # measured (or validly cached) before the cache was broken
+    quirks._measured.clear()
+    path = _write(fresh_cache / "quirks.json", content.replace("KEY", device.identity.replace('"', '\\"')))
+    with pytest.warns(CacheWarning, match="ignoring"):
+        got = quirks.detect_quirks(device)
+    assert got == truth
+    import json
+
+    assert json.loads(path.read_text())[device.identity] == truth  # the file was repaired
+    assert quirks.detect_quirks(device) == truth
+
+
+def test_malformed_residency_cache_leaves_every_mode_working(fresh_cache, tiny_layer, monkeypatch):
+    import json
+
+    monkeypatch.delenv("VKMOE_PERSISTENT_GRID", raising=False)
+    with vkmoe.Device() as dev:
+        key = residency.device_key(dev)
+        variant = residency.variant_key((256, 16384))
+        for bad in ("abc", {variant: {"format": residency.FORMAT, "persistent": True, "grid": "abc",
+                                      "co_resident": {"min": "abc"}}},
+                    {residency.CROSSOVER_KEY: {"format": residency.FORMAT, "shapes": {"x": {"max_m": "abc"}}}}):
+            _write(fresh_cache / "residency.json", json.dumps({key: bad}))
+            with pytest.warns(CacheWarning):
+                for dispatch in ("split", "persistent", "auto"):
+                    _forward_ok(dev, tiny_layer, dispatch)
+            if isinstance(bad, dict) and variant in bad:
+                with pytest.warns(CacheWarning, match="grid='abc'"):
+                    assert residency.lookup(dev, variant) is None
+        assert not dev.take_validation_messages()
+
+
+def test_unwritable_cache_dir_keeps_measurements_in_memory(tmp_path, monkeypatch, tiny_layer):
+    blocker = _write(tmp_path / "a-file", "not a directory")
+    monkeypatch.setenv("VKMOE_CACHE_DIR", str(blocker / "vkmoe"))
+    monkeypatch.setattr(quirks, "_measured", {})
+    monkeypatch.setattr(residency, "_unsaved", {})
+    with vkmoe.Device() as dev:
+        with pytest.warns(CacheWarning, match="cannot write"):
+            info = dev.info()
+        assert set(quirks.MEASUREMENTS) <= set(info["quirks"])
+        assert dev.identity in quirks._measured  # a second device in this process does not measure again
+        calls = []
+        monkeypatch.setattr(quirks, "MEASUREMENTS", {k: (lambda d, k=k: calls.append(k)) for k in quirks.MEASUREMENTS})
+        assert quirks.detect_quirks(dev) == info["quirks"] and not calls
+        for dispatch in ("split", "auto"):
+            _forward_ok(dev, tiny_layer, dispatch)
+        report_entry = {"workgroup_size": 256, "shared_bytes": 16384, "verdict": {"persistent": True, "grid": 2,
+                        "reason": "test"}, "co_resident": {"min": 2, "median": 2, "samples": [2], "launched": 4}}
+        with pytest.warns(CacheWarning, match="cannot write"):
+            residency.store(dev, {"variants": [report_entry], "quirks": {}, "device": {}})
+        assert residency.lookup(dev, (256, 16384))["grid"] == 2  # kept in memory for this process
+        assert not dev.take_validation_messages()

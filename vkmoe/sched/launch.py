@@ -9,10 +9,10 @@ ABORT_REASONS = {1: "a spin ran out of its bound", 2: "a ticket lock timed out",
 
 
 def choose_mode(moe, mode, scratch):
-    """(mode to launch, PersistentPlan, reason)."""
+    """(mode to launch, PersistentPlan or None for a split request, reason)."""
+    if mode == "split":  # never reads the persistent plan: a broken residency cache or knob cannot stop it
+        return "split", None, "split requested"
     plan = persistent_plan(moe.device, scratch.plan, moe.E, moe.H, moe.I, moe.gated)
-    if mode == "split":
-        return "split", plan, "split requested"
     if mode == "persistent":
         if plan.allowed:
             return "persistent", plan, "persistent requested: " + plan.reason
@@ -43,7 +43,7 @@ def run_forward(moe, mode, hidden, ids, weights, m, top_k):
         if mode != "split":
             fallback = reason
     moe.last_run = {"mode": chosen, "requested": mode, "reason": reason, "fallback_reason": fallback,
-                    "plan": scratch.plan.as_dict(), "persistent_plan": pplan.as_dict(),
+                    "plan": scratch.plan.as_dict(), "persistent_plan": pplan.as_dict() if pplan else None,
                     "workgroups": pplan.workgroups if chosen == "persistent" else None,
                     "groups": pplan.groups if chosen == "persistent" else None,
                     "gpu_ms": gpu_ms, "wall_ms": (time.perf_counter() - start) * 1e3}
