@@ -225,3 +225,66 @@ def test_unwritable_cache_dir_keeps_measurements_in_memory(tmp_path, monkeypatch
             residency.store(dev, {"variants": [report_entry], "quirks": {}, "device": {}})
         assert residency.lookup(dev, (256, 16384))["grid"] == 2  # kept in memory for this process
         assert not dev.take_validation_messages()
+
+
+# ------------------------------------------------------------------------------------------------ 8: leaks
+def _bytes_in_use(dev):
+    blocks = [b for kind in dev.memory._blocks.values() for b in kind]
+    return sum(b.size - sum(size for _, size in b.free) for b in blocks)
+
+
+def test_layer_dropped_without_close_frees_its_memory(dev, tiny_layer):
+    import gc
+
+    L, c = tiny_layer, tiny_layer.calls[0]
+    gc.collect()
+    before = _bytes_in_use(dev)
+    for _ in range(5):
+        moe = vkmoe.Exl3MoeMlp(dev, L.gate, L.up, L.down, activation="silu", dispatch="split")
+        y = moe(c["x"], c["selected"], c["weights"])
+        assert np.isfinite(y).all()
+        assert _bytes_in_use(dev) > before
+        del moe, y
+        gc.collect()
+        assert _bytes_in_use(dev) == before
+    layer = vkmoe.Exl3MoeMlp(dev, L.gate, L.up, L.down, activation="silu", dispatch="split")
+    layer.close()  # close() and then the finalizer: nothing is freed twice
+    del layer
+    gc.collect()
+    assert _bytes_in_use(dev) == before
+
+
+def test_oversized_batch_is_rejected_without_allocating(dev, tiny_layer):
+    L = tiny_layer
+    m = 70_000  # top_k 2: the stage buffers need 2 * m * 2 * H * 2 bytes, more than lavapipe's 128 MiB range
+    limit = dev.limits.maxStorageBufferRange
+    assert 4 * m * 2 * L.hidden_size > limit, "pick a larger m for this device"
+    x = np.ones((m, L.hidden_size), np.float16)
+    ids = np.tile(np.array([[1, 2]]), (m, 1))
+    w = np.full((m, 2), 0.5, np.float16)
+    with vkmoe.Exl3MoeMlp(dev, L.gate, L.up, L.down, activation="silu", dispatch="split") as moe:
+        before = _bytes_in_use(dev)
+        for _ in range(3):
+            with pytest.raises(ValueError, match="maxStorageBufferRange"):
+                moe(x, ids, w)
+            assert _bytes_in_use(dev) == before
+        y = moe(x[:2], ids[:2], w[:2])  # the layer still works
+        ref = reference.moe_forward(x[:2], ids[:2], w[:2], L.gate, L.up, L.down, activation="silu")
+        assert rel_rms(y, ref) < TOL
+
+
+# ------------------------------------------------------------------------- 7: arrays shared with the caller
+def test_exl3_tensor_keeps_its_own_read_only_arrays(tiny_layer):
+    t0 = tiny_layer.up[0]
+    trellis, suh, svh = t0.trellis.copy(), t0.suh.copy(), t0.svh.copy()
+    t = vkmoe.Exl3Tensor(trellis, suh, svh, codebook=t0.codebook)
+    w = t.dequantize().copy()
+    svh[:] = np.nan
+    suh[:] = np.nan
+    trellis[:] = 0
+    assert np.isfinite(t.svh).all() and np.isfinite(t.suh).all()
+    assert np.array_equal(t.dequantize(), w)
+    assert np.array_equal(vkmoe.Exl3Tensor(t.trellis, t.suh, t.svh, codebook=t.codebook).dequantize(), w)
+    for name in ("trellis", "suh", "svh"):
+        with pytest.raises(ValueError, match="read-only"):
+            getattr(t, name)[0] = 0

@@ -6,6 +6,7 @@ barriers or as one persistent dispatch with spin barriers (vkmoe.sched decides; 
 """
 import os
 import threading
+import weakref
 
 import numpy as np
 
@@ -89,18 +90,14 @@ class _Scratch:
     per-(token, slot) output rows and the self-resetting counters."""
 
     def __init__(self, device, plan, H, I):
-        mem = device.memory
         R, m = plan.R, plan.m
         self.plan = plan
-        self.route = mem.allocate(4 * (16 + 3 * plan.max_chunks + 2 * R + m))
-        self.states = mem.allocate(2 * R * H * 2)
-        self.inter = mem.allocate(R * I * 2)
-        self.partial = mem.allocate(4 * max(2 * plan.splits_gu * R * I, plan.splits_d * R * H))
-        self.rows = mem.allocate(4 * R * H)
         self.sync_words = 16 + plan.max_chunks * (I // 128) + plan.max_chunks * (H // 128) + m * (H // 128)
-        self.sync = mem.allocate(4 * self.sync_words)
+        self.buffers = device.memory.allocate_all([
+            4 * (16 + 3 * plan.max_chunks + 2 * R + m), 2 * R * H * 2, R * I * 2,
+            4 * max(2 * plan.splits_gu * R * I, plan.splits_d * R * H), 4 * R * H, 4 * self.sync_words])
+        self.route, self.states, self.inter, self.partial, self.rows, self.sync = self.buffers
         self.reset_sync()
-        self.buffers = (self.route, self.states, self.inter, self.partial, self.rows, self.sync)
 
     def reset_sync(self):
         self.sync.upload(np.zeros(self.sync_words, np.uint32))
@@ -108,6 +105,23 @@ class _Scratch:
     def close(self):
         for b in self.buffers:
             b.close()
+
+
+def _release_layer(recorded, scratch, io, projections):
+    """Free a layer's device objects (emptying its dicts in place). close() calls it, and so does a finalizer
+    when the layer is dropped without close(); it must not reference the layer itself."""
+    for rec in recorded.values():
+        rec.close()
+    for s in scratch.values():
+        s.close()
+    for bufs in io.values():
+        for b in bufs:
+            b.close()
+    for p in {id(p): p for p in projections}.values():
+        p.close()
+    recorded.clear()
+    scratch.clear()
+    io.clear()
 
 
 class Exl3MoeMlp:
@@ -186,6 +200,10 @@ class Exl3MoeMlp:
         self._recorded = {}
         self._call_lock = threading.Lock()
         self.last_run = None
+        # A layer dropped without close() still frees its device memory (not at interpreter exit: by then the
+        # process gives everything back anyway).
+        self._resources = (self._recorded, self._scratch, self._io, (gate, up, down) if gate else (up, down))
+        weakref.finalize(self, _release_layer, *self._resources).atexit = False
 
     @property
     def dispatch(self):
@@ -346,9 +364,8 @@ class Exl3MoeMlp:
     def _io_for(self, m, top_k):
         key = (m, top_k)
         if key not in self._io:
-            mem = self.device.memory
-            self._io[key] = (mem.allocate(m * self.H * 2), mem.allocate(m * top_k * 4), mem.allocate(m * top_k * 4),
-                             mem.allocate(m * self.H * 4))
+            self._io[key] = tuple(self.device.memory.allocate_all(
+                [m * self.H * 2, m * top_k * 4, m * top_k * 4, m * self.H * 4]))
         return self._io[key]
 
     def _run(self, hidden, ids, weights, m, top_k, key, record_body):
@@ -435,18 +452,7 @@ class Exl3MoeMlp:
         return self._forward(hidden, ids, weights, dispatch)
 
     def close(self):
-        for rec in self._recorded.values():
-            rec.close()
-        self._recorded = {}
-        for s in self._scratch.values():
-            s.close()
-        for bufs in self._io.values():
-            for b in bufs:
-                b.close()
-        projections = {id(p): p for p in (self._gate, self._up, self._down)}
-        for p in projections.values():
-            p.close()
-        self._scratch, self._io = {}, {}
+        _release_layer(*self._resources)
 
     def __enter__(self):
         return self

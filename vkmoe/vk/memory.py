@@ -223,6 +223,24 @@ class MemoryManager:
             offset = block.allocate(size, self.alignment)
             return Buffer(self, block, offset, nbytes, host_visible)
 
+    def allocate_all(self, sizes):
+        """Buffers of the given byte sizes, all or none: every size is checked before anything is allocated,
+        and a failure part-way closes what was already allocated (a rejected call must not leak)."""
+        sizes = [int(n) for n in sizes]
+        for n in sizes:
+            if not 0 < n <= self.max_range:
+                raise ValueError(f"buffer of {n} bytes: expected 1 .. {self.max_range} bytes (this device's "
+                                 "maxStorageBufferRange); split the data or the batch")
+        done = []
+        try:
+            for n in sizes:
+                done.append(self.allocate(n))
+        except BaseException:
+            for b in done:
+                b.close()
+            raise
+        return done
+
     def release(self, buf):
         size = -(-buf.size // 16) * 16
         with self._lock:
