@@ -288,3 +288,116 @@ def test_exl3_tensor_keeps_its_own_read_only_arrays(tiny_layer):
     for name in ("trellis", "suh", "svh"):
         with pytest.raises(ValueError, match="read-only"):
             getattr(t, name)[0] = 0
+
+
+# -------------------------------------------------------------------------------------- 9: validation gaps
+def test_float64_weight_beyond_float32_is_rejected(device, tiny_layer):
+    L, c = tiny_layer, tiny_layer.calls[0]
+    w = c["weights"].astype(np.float64)
+    w[0, 0] = 1e300  # finite in float64, Inf once cast to the float32 the kernels use
+    from vkmoe import cpu, registry
+
+    with vkmoe.Exl3MoeMlp(device, L.gate, L.up, L.down, dispatch="split") as moe:
+        with pytest.raises(ValueError, match="expert_weights.*float32"):
+            moe(c["x"], c["selected"], w)
+        y = moe(c["x"], c["selected"], c["weights"])  # still fine afterwards
+    with pytest.raises(ValueError, match="expert_weights.*float32"):
+        cpu.moe_forward(c["x"], c["selected"], w, L.gate, L.up, L.down)
+    with pytest.raises(ValueError, match="expert_weights.*float32"):
+        registry.create("exl3_moe_mlp", L.gate, L.up, L.down, backend="cpu")(c["x"], c["selected"], w)
+    ref = reference.moe_forward(c["x"], c["selected"], c["weights"], L.gate, L.up, L.down, activation="silu")
+    assert rel_rms(y, ref) < TOL
+
+
+def test_forward_sorted_rejects_float_indices(device, tiny_layer):
+    L = tiny_layer
+    x = np.ones((2, L.hidden_size), np.float16)
+    count = np.zeros(L.num_experts, np.int64)
+    count[1] = 2
+    with vkmoe.Exl3MoeMlp(device, L.gate, L.up, L.down, dispatch="split") as moe:
+        with pytest.raises(TypeError, match="token_sorted must be an integer array, got dtype float64"):
+            moe.forward_sorted(x, count, np.array([0.0, 1.7]), np.array([0.5, 0.5], np.float32))
+        with pytest.raises(TypeError, match="expert_count must be an integer array"):
+            moe.forward_sorted(x, count.astype(np.float32), np.array([0, 1]), np.array([0.5, 0.5], np.float32))
+
+
+def test_cpu_backend_rejects_the_ids_the_vulkan_backend_rejects(tiny_layer):
+    from vkmoe import registry
+
+    L, c = tiny_layer, tiny_layer.calls[0]
+    op = registry.create("exl3_moe_mlp", L.gate, L.up, L.down, backend="cpu")
+    ids = c["selected"].copy()
+    ids[0, 0] = L.num_experts
+    with pytest.raises(ValueError, match=r"expert_ids must lie in \[0, %d\)" % L.num_experts):
+        op(c["x"], ids, c["weights"])
+    ids = c["selected"].copy()
+    ids[0, 1] = ids[0, 0]
+    with pytest.raises(ValueError, match="expert_ids row 0 names an expert twice"):
+        op(c["x"], ids, c["weights"])
+    y = op(c["x"], c["selected"], c["weights"])
+    ref = reference.moe_forward(c["x"], c["selected"], c["weights"], L.gate, L.up, L.down, activation="silu")
+    assert rel_rms(y, ref) < TOL
+
+
+def _checkpoint_files(tiny_layer, tmp_path, drop_last=False):
+    from safetensors.numpy import save_file
+    from vkmoe.exl3 import save_exl3_tensor
+
+    L, prefix, tensors = tiny_layer, "model.layers.0.mlp", {}
+    for e in range(L.num_experts - (1 if drop_last else 0)):
+        for proj, lst in (("gate", L.gate), ("up", L.up), ("down", L.down)):
+            save_exl3_tensor(tensors, f"{prefix}.experts.{e}.{proj}_proj", lst[e])
+    path = tmp_path / "layer.safetensors"
+    save_file(tensors, str(path))
+    return path, prefix
+
+
+def test_from_safetensors_with_num_experts_detects_a_missing_last_expert(device, tiny_layer, tmp_path):
+    from vkmoe.exl3 import MissingTensorError, load_moe_experts
+
+    path, prefix = _checkpoint_files(tiny_layer, tmp_path, drop_last=True)
+    E = tiny_layer.num_experts
+    assert load_moe_experts(str(path), prefix)["num_experts"] == E - 1  # the file alone cannot tell
+    with pytest.raises(MissingTensorError, match=f"experts 0..{E - 2}; expected {E} experts"):
+        vkmoe.Exl3MoeMlp.from_safetensors(device, str(path), prefix, num_experts=E)
+    (tmp_path / "full").mkdir()
+    full, _ = _checkpoint_files(tiny_layer, tmp_path / "full")
+    with vkmoe.Exl3MoeMlp.from_safetensors(device, str(full), prefix, num_experts=E, dispatch="split") as moe:
+        c = tiny_layer.calls[0]
+        y = moe(c["x"], c["selected"], c["weights"])
+    ref = reference.moe_forward(c["x"], c["selected"], c["weights"], tiny_layer.gate, tiny_layer.up,
+                                tiny_layer.down, activation="silu")
+    assert rel_rms(y, ref) < TOL
+
+
+def test_unreadable_checkpoints_raise_checkpoint_error(tmp_path):
+    from vkmoe.exl3 import CheckpointError, load_exl3_tensor, load_moe_experts
+    from vkmoe.models import MoeConfig
+
+    garbage = _write(tmp_path / "garbage.safetensors", "garbage" * 4)
+    for path in (garbage, tmp_path / "missing.safetensors", tmp_path):
+        with pytest.raises(CheckpointError, match="cannot read it as a safetensors file"):
+            load_moe_experts(str(path), "model.layers.0.mlp")
+        with pytest.raises(CheckpointError):
+            load_exl3_tensor(str(path), "x")
+    (tmp_path / "bad-utf8").mkdir()
+    (tmp_path / "bad-utf8" / "config.json").write_bytes(b"{\"hidden_size\": \"\xff\xfe\"}")
+    (tmp_path / "dir-config").mkdir()
+    (tmp_path / "dir-config" / "config.json").mkdir()
+    _write(tmp_path / "list.json", "[1, 2]")
+    _write(tmp_path / "types.json", '{"model_type": "qwen3_moe", "hidden_size": "abc", "num_experts": 8, '
+                                    '"num_experts_per_tok": 2, "moe_intermediate_size": 128}')
+    _write(tmp_path / "types2.json", '{"model_type": "qwen3_moe", "hidden_size": 256, "num_experts": [8], '
+                                     '"num_experts_per_tok": 2, "moe_intermediate_size": 128}')
+    for path in ("bad-utf8", "dir-config", "list.json", "types.json", "types2.json"):
+        with pytest.raises(CheckpointError, match=str(tmp_path / path)):
+            MoeConfig.from_file(tmp_path / path)
+    bad = {"model.layers.0.mlp.experts.0.up_proj.trellis": np.zeros((8, 8, 64), np.uint16),
+           "model.layers.0.mlp.experts.0.up_proj.suh": np.array(["a"] * 128),
+           "model.layers.0.mlp.experts.0.up_proj.svh": np.ones(128, np.float16)}
+    with pytest.raises(CheckpointError, match="suh"):
+        load_exl3_tensor(bad, "model.layers.0.mlp.experts.0.up_proj")
+    bad["model.layers.0.mlp.experts.0.up_proj.suh"] = np.ones(128, np.float32)
+    bad["model.layers.0.mlp.experts.0.up_proj.trellis"] = np.zeros((8, 8, 64), np.float32)
+    with pytest.raises(CheckpointError, match="trellis: expected uint16"):
+        load_exl3_tensor(bad, "model.layers.0.mlp.experts.0.up_proj")

@@ -11,6 +11,7 @@ import weakref
 import numpy as np
 
 from ..exl3 import Exl3Tensor
+from ..exl3.reference import check_op_routing
 from ..vk import CommandRecorder, PushConstants
 from . import kernels
 from .plan import moe_plan
@@ -212,11 +213,13 @@ class Exl3MoeMlp:
 
     # --------------------------------------------------------------------------------------------- loading
     @classmethod
-    def from_safetensors(cls, device, path, prefix, activation="silu", act_limit=0.0, dispatch=None):
-        """Load `{prefix}.experts.{e}.{gate,up,down}_proj` (exllamav3 names) from a safetensors file or dict."""
+    def from_safetensors(cls, device, path, prefix, activation="silu", act_limit=0.0, dispatch=None,
+                         num_experts=None):
+        """Load `{prefix}.experts.{e}.{gate,up,down}_proj` (exllamav3 names) from a safetensors file or dict.
+        `num_experts` (from the model config) makes a file whose last experts are missing an error."""
         from ..exl3 import load_moe_experts
 
-        experts = load_moe_experts(path, prefix)
+        experts = load_moe_experts(path, prefix, num_experts)
         gate = experts.get("gate")
         if gate is None and activation != "relu2":
             raise ValueError(f"{prefix}: no gate_proj tensors; a gateless layer needs activation='relu2'")
@@ -330,16 +333,7 @@ class Exl3MoeMlp:
                              f"{getattr(expert_weights, 'shape', type(expert_weights).__name__)}")
         if expert_weights.dtype not in (np.float16, np.float32, np.float64):
             raise TypeError(f"expert_weights must be float16/float32, got {expert_weights.dtype}")
-        if m and (expert_ids.min() < 0 or expert_ids.max() >= self.E):
-            bad = expert_ids[(expert_ids < 0) | (expert_ids >= self.E)][0]
-            raise ValueError(f"expert_ids must lie in [0, {self.E}); found {bad}")
-        if m and top_k > 1:
-            s = np.sort(expert_ids, axis=1)
-            if (s[:, 1:] == s[:, :-1]).any():
-                row = int(np.nonzero((s[:, 1:] == s[:, :-1]).any(axis=1))[0][0])
-                raise ValueError(f"expert_ids row {row} names an expert twice: {expert_ids[row].tolist()}")
-        if not np.isfinite(expert_weights).all():
-            raise ValueError("expert_weights contains NaN or Inf")
+        check_op_routing(expert_ids, expert_weights, self.E)
         return m, top_k
 
     # -------------------------------------------------------------------------------------------- forward
@@ -410,6 +404,9 @@ class Exl3MoeMlp:
         """exllamav3's kernel inputs: expert_count (E or E+1 entries; the last one, the sentinel, is ignored
         when E+1), token_sorted (token index per routed pair, grouped by expert), weight_sorted (matching
         routing weights). Rebuilt into per-token (ids, weights) and run as __call__."""
+        for name, value in (("expert_count", expert_count), ("token_sorted", token_sorted)):
+            if np.asarray(value).dtype.kind not in "iu":  # a float index would be truncated silently
+                raise TypeError(f"{name} must be an integer array, got dtype {np.asarray(value).dtype}")
         expert_count = np.asarray(expert_count).astype(np.int64).reshape(-1)
         token_sorted = np.asarray(token_sorted).astype(np.int64).reshape(-1)
         weight_sorted = np.asarray(weight_sorted).astype(np.float32).reshape(-1)
