@@ -401,3 +401,26 @@ def test_unreadable_checkpoints_raise_checkpoint_error(tmp_path):
     bad["model.layers.0.mlp.experts.0.up_proj.trellis"] = np.zeros((8, 8, 64), np.float32)
     with pytest.raises(CheckpointError, match="trellis: expected uint16"):
         load_exl3_tensor(bad, "model.layers.0.mlp.experts.0.up_proj")
+
+
+CLI_USAGE_ERRORS = [
+    ("bench_moe", "--small", "--device", "7"),
+    ("bench_moe", "--small", "--json", "/nonexistent-dir/x.json"),  # refused before the run, not after it
+    ("probe_residency", "--repeats", "1e20"),
+    ("probe_residency", "--repeats", "100000000000000000000"),
+    ("check_decode", "--k", "100"),
+    ("bench_cpu", "--m", "-1"),
+    ("profile_moe", "--m", "0"),
+    ("make_exl3_moe_checkpoint", "--out", "UNDER_A_FILE/ckpt"),
+]
+
+
+@pytest.mark.parametrize("argv", CLI_USAGE_ERRORS, ids=[" ".join(a) for a in CLI_USAGE_ERRORS])
+def test_tool_argument_errors_are_usage_errors(argv, tmp_path):
+    blocker = _write(tmp_path / "a-file", "x")
+    args = [a.replace("UNDER_A_FILE", str(blocker)) for a in argv]
+    result = subprocess.run([sys.executable, os.path.join(REPO, "tools", args[0]), *args[1:]], capture_output=True,
+                            text=True, timeout=120, cwd=REPO, env=dict(os.environ, VKMOE_CACHE_DIR=str(tmp_path)))
+    assert result.returncode == 2, (result.returncode, result.stderr[-2000:])
+    assert "Traceback" not in result.stderr and "error:" in result.stderr, result.stderr[-2000:]
+    assert not os.path.exists(tmp_path / "ckpt")
