@@ -203,7 +203,8 @@ class Exl3MoeMlp:
         self.last_run = None
         # A layer dropped without close() still frees its device memory (not at interpreter exit: by then the
         # process gives everything back anyway).
-        self._resources = (self._recorded, self._scratch, self._io, (gate, up, down) if gate else (up, down))
+        projections = (gate, up, down) if gate is not None else (up, down)
+        self._resources = (self._recorded, self._scratch, self._io, projections)
         weakref.finalize(self, _release_layer, *self._resources).atexit = False
 
     @property
