@@ -424,3 +424,20 @@ def test_tool_argument_errors_are_usage_errors(argv, tmp_path):
     assert result.returncode == 2, (result.returncode, result.stderr[-2000:])
     assert "Traceback" not in result.stderr and "error:" in result.stderr, result.stderr[-2000:]
     assert not os.path.exists(tmp_path / "ckpt")
+
+
+def test_linear_dropped_without_close_frees_its_memory(dev, tiny_layer):
+    import gc
+
+    t = tiny_layer.up[0]
+    x = np.random.default_rng(3).standard_normal((3, t.k)).astype(np.float16)
+    gc.collect()
+    before = _bytes_in_use(dev)
+    for _ in range(3):
+        lin = vkmoe.Exl3Linear(dev, t)
+        y = lin(x)
+        assert _bytes_in_use(dev) > before
+        del lin
+        gc.collect()
+        assert _bytes_in_use(dev) == before
+    assert rel_rms(y.astype(np.float32), reference.linear_forward(x, t)) < TOL
