@@ -25,7 +25,10 @@ class CommandRecorder:
     """
 
     def __init__(self, device, timestamps=0, untracked=False):
-        device.check_open()
+        with device.use():  # a concurrent Device.close() waits until the recorder exists and is tracked
+            self._create(device, timestamps, untracked)
+
+    def _create(self, device, timestamps, untracked):
         self.device = device
         h = device.handle
         self._pool = call("vkCreateCommandPool", vk.vkCreateCommandPool, h, vk.VkCommandPoolCreateInfo(

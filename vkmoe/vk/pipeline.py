@@ -75,7 +75,6 @@ class Pipeline:
 
     def __init__(self, device, shader, push=None, spec=None, required_subgroup_size=None, binding_count=None,
                  allow_unused_spec=False):
-        device.check_open()
         self.device = device
         self.name = shader
         code = load_spirv(shader)
@@ -100,13 +99,14 @@ class Pipeline:
         self._allow_unused_spec = allow_unused_spec
         h = device.handle
         self.handle = self.layout = self.set_layout = self._module = None
-        try:
-            self._create_objects(code, given, required_subgroup_size)
-        except BaseException:
-            self._destroy_objects()  # a failed constructor must not leak what it already created
-            raise
-        self._pool = _DescriptorPools(device, self.binding_count)
-        device.track(self)
+        with device.use():  # a concurrent Device.close() waits until the pipeline exists and is tracked
+            try:
+                self._create_objects(code, given, required_subgroup_size)
+            except BaseException:
+                self._destroy_objects()  # a failed constructor must not leak what it already created
+                raise
+            self._pool = _DescriptorPools(device, self.binding_count)
+            device.track(self)
 
     def _create_objects(self, code, given, required_subgroup_size):
         h = self.device.handle
