@@ -441,3 +441,37 @@ def test_linear_dropped_without_close_frees_its_memory(dev, tiny_layer):
         gc.collect()
         assert _bytes_in_use(dev) == before
     assert rel_rms(y.astype(np.float32), reference.linear_forward(x, t)) < TOL
+
+
+def _safetensors_bytes(header):
+    import json
+    import struct
+
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + b"\0" * 64
+
+
+def test_malformed_model_directories_raise_checkpoint_error(tmp_path):
+    from vkmoe.exl3 import CheckpointError
+    from vkmoe.models.checkpoint import Checkpoint
+
+    cases = {
+        "header-list": {"model.safetensors": _safetensors_bytes([1, 2])},
+        "bad-entry": {"model.safetensors": _safetensors_bytes({"w": {"dtype": "F32", "shape": "ab",
+                                                                       "data_offsets": [0, 8]}})},
+        "bad-index-utf8": {"model.safetensors.index.json": b"{\"weight_map\": \"\xff\"}"},
+        "index-not-map": {"model.safetensors.index.json": b"{\"weight_map\": 3}"},
+        "shard-is-dir": {"model.safetensors/": None},
+    }
+    for name, files in cases.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        for fname, data in files.items():
+            if fname.endswith("/"):
+                (folder / fname).mkdir()
+            else:
+                (folder / fname).write_bytes(data)
+        with pytest.raises(CheckpointError, match=str(folder)):
+            ckpt = Checkpoint(folder)
+            for key in ckpt.keys():
+                ckpt[key]
