@@ -129,6 +129,37 @@ CLOSED_CASES = {
         assert "is closed" in str(outcome["error"]), outcome
         print("OK", outcome["n"], "forwards before close")
     """,
+    "close while another thread builds, records and runs layers": """
+      import time
+      for delay in (0.0, 0.001, 0.003, 0.01, 0.03, 0.1):  # close() lands in different phases of the work
+        dev = vkmoe.Device()
+        c = L.calls[0]
+        outcome = {"n": 0}
+        started = threading.Event()
+        def worker():
+            try:
+                while True:  # a new layer each time: allocation, upload, recording and submission all race close()
+                    moe = vkmoe.Exl3MoeMlp(dev, L.gate, L.up, L.down, dispatch="split")
+                    for m in (1, 2, 3):
+                        moe(c["x"][:m], c["selected"][:m], c["weights"][:m])
+                        outcome["n"] += 1
+                        started.set()
+                    moe.close()
+            except vkmoe.VkmoeError as exc:
+                outcome["error"] = exc
+            except BaseException as exc:
+                outcome["other"] = exc
+            started.set()
+        t = threading.Thread(target=worker)
+        t.start()
+        started.wait(120)
+        time.sleep(delay)
+        dev.close()
+        t.join(120)
+        assert "other" not in outcome, outcome
+        assert "is closed" in str(outcome["error"]), outcome
+        print("OK", outcome["n"], "forwards before close")
+    """,
 }
 
 

@@ -1,5 +1,6 @@
 """CommandRecorder: record dispatches, barriers, copies and timestamps into a reusable command buffer; submit
 and wait with a timeout (vkmoe.TimeoutError instead of blocking forever)."""
+import functools
 import os
 import time
 
@@ -15,6 +16,16 @@ DEFAULT_TIMEOUT_S = float(os.environ.get("VKMOE_TIMEOUT", "60"))
 _SHADER_STAGES = vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | vk.VK_PIPELINE_STAGE_TRANSFER_BIT
 _ACCESS = (vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT | vk.VK_ACCESS_TRANSFER_READ_BIT
            | vk.VK_ACCESS_TRANSFER_WRITE_BIT)
+
+
+def _holds_device(method):
+    """Run a recording method with the device held open: a concurrent Device.close() waits for the driver call
+    instead of freeing the command buffer under it, and a call after close() raises DeviceClosedError."""
+    @functools.wraps(method)
+    def held(self, *args, **kwargs):
+        with self.device.use():
+            return method(self, *args, **kwargs)
+    return held
 
 
 class CommandRecorder:
@@ -57,6 +68,7 @@ class CommandRecorder:
             device.track(self)
 
     # ------------------------------------------------------------------------------------------- recording
+    @_holds_device
     def begin(self):
         self._check_open()
         if self._pending:
@@ -81,6 +93,7 @@ class CommandRecorder:
         if not self._recording:
             raise VkmoeError("record commands between begin() and end()")
 
+    @_holds_device
     def dispatch(self, pipeline, descriptor_set, groups, push=None):
         """Dispatch `pipeline` over `groups` workgroups (int or (x, y, z)) with a descriptor set and push block."""
         self._check_recording()
@@ -107,12 +120,14 @@ class CommandRecorder:
         if x and y and z:
             vk.vkCmdDispatch(cb, x, y, z)
 
+    @_holds_device
     def barrier(self):
         """Make every earlier shader/transfer write visible to every later shader/transfer access."""
         self._check_recording()
         mb = vk.VkMemoryBarrier(sType=vk.VK_STRUCTURE_TYPE_MEMORY_BARRIER, srcAccessMask=_ACCESS, dstAccessMask=_ACCESS)
         vk.vkCmdPipelineBarrier(self.handle, _SHADER_STAGES, _SHADER_STAGES, 0, 1, [mb], 0, None, 0, None)
 
+    @_holds_device
     def host_barrier(self):
         """Make shader writes visible to host reads after the fence (for host-visible result buffers)."""
         self._check_recording()
@@ -120,11 +135,13 @@ class CommandRecorder:
                                 dstAccessMask=vk.VK_ACCESS_HOST_READ_BIT)
         vk.vkCmdPipelineBarrier(self.handle, _SHADER_STAGES, vk.VK_PIPELINE_STAGE_HOST_BIT, 0, 1, [mb], 0, None, 0, None)
 
+    @_holds_device
     def copy(self, src, dst, nbytes, src_offset=0, dst_offset=0):
         self._check_recording()
         region = vk.VkBufferCopy(srcOffset=src.offset + src_offset, dstOffset=dst.offset + dst_offset, size=nbytes)
         vk.vkCmdCopyBuffer(self.handle, src.handle, dst.handle, 1, [region])
 
+    @_holds_device
     def fill(self, buf, value=0, nbytes=None, offset=0):
         """Fill with a repeated 32-bit word (size rounded down to a multiple of 4)."""
         self._check_recording()
@@ -132,6 +149,7 @@ class CommandRecorder:
         if size:
             vk.vkCmdFillBuffer(self.handle, buf.handle, buf.offset + offset, size, int(value) & 0xFFFFFFFF)
 
+    @_holds_device
     def timestamp(self):
         """Write a timestamp after all earlier commands; returns its slot index."""
         self._check_recording()
@@ -142,6 +160,7 @@ class CommandRecorder:
         self._next_timestamp += 1
         return slot
 
+    @_holds_device
     def end(self):
         self._check_recording()
         call("vkEndCommandBuffer", vk.vkEndCommandBuffer, self.handle)
