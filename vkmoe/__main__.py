@@ -14,6 +14,7 @@ import json
 import os
 import sys
 
+from .argcheck import int_range
 from .vk.report import format_info
 
 EXIT_OK, EXIT_ERROR, EXIT_FALLBACK = 0, 2, 3
@@ -79,7 +80,8 @@ def build_parser():
                     help="test hook: require more co-resident workgroups than were launched, so the verdict "
                          "fails (exit 3); the result is not cached")
     pp.add_argument("--device", default=None, help=device_help)
-    pp.add_argument("--repeats", type=int, default=5, help="co-residency measurements per variant (default 5)")
+    pp.add_argument("--repeats", type=int_range(1, 1000), default=5,
+                    help="co-residency measurements per variant (default 5, at most 1000)")
     pp.add_argument("--quiet", action="store_true", help="no progress bar")
     pp.set_defaults(fn=cmd_probe)
 

@@ -23,7 +23,7 @@ from .exl3 import Exl3Tensor
 from .layout import ACTIVATIONS as _ACT
 from .layout import CODEBOOKS as _CB_INDEX
 from .exl3.decode import CODEBOOKS, as_trellis, codebook_table
-from .exl3.reference import validate_moe_args
+from .exl3.reference import F32_MAX, validate_moe_args
 
 __all__ = ["dequantize", "linear", "moe_forward", "isa", "isa_tiers", "set_max_isa"]
 
@@ -163,6 +163,8 @@ def moe_forward(hidden, expert_ids, expert_weights, gate, up, down, activation="
     h, ids, w, E, H, I = validate_moe_args(hidden, expert_ids, expert_weights, gate, up, down, activation, act_limit)
     if h.dtype == np.float64:
         raise TypeError("hidden: expected float16 or float32, got dtype float64")
+    if w.size and float(np.abs(w).max()) > F32_MAX:
+        raise ValueError(f"expert_weights: holds {float(np.abs(w).max()):g}, beyond float32's range (computed in float32)")
     nthreads = _threads(threads)
     m, topk = ids.shape
     x32 = np.ascontiguousarray(h, np.float32)

@@ -301,6 +301,11 @@ class CpuExl3MoeMlp:
         self.last_run = None
 
     def __call__(self, hidden, expert_ids, expert_weights):
+        from .exl3.reference import check_op_routing
+
+        ids, w = np.asarray(expert_ids), np.asarray(expert_weights)
+        if ids.ndim == 2 and ids.dtype.kind in "iu" and w.shape == ids.shape:  # else moe_forward says what is wrong
+            check_op_routing(ids, w, self.num_experts)  # the same rules as the Vulkan op's __call__
         out = self._cpu.moe_forward(np.asarray(hidden, dtype=np.float16), expert_ids, expert_weights,
                                     self.gate, self.up, self.down, activation=self.activation,
                                     act_limit=self.act_limit)

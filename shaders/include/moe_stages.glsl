@@ -53,14 +53,13 @@ uint valid_slots(uint t) {
 shared uint s_count[ROUTE_MAX_E];
 shared uint s_offset[ROUTE_MAX_E + 1];
 shared uint s_chunk0[ROUTE_MAX_E + 1];
-shared uint s_empty_tokens;
 // Per-subgroup totals: at most 64 subgroups (vkmoe needs a subgroup size >= 4), which keeps the routing
 // shader inside the 16 KiB of shared memory Vulkan guarantees.
 shared uint s_scan_rows[64];
 shared uint s_scan_chunks[64];
 
-// One workgroup. Writes the chunk table, the sorted rows and each token's valid slot count, and zeroes the
-// output of tokens with no valid slot (nobody else writes those rows).
+// One workgroup. Writes the chunk table, the sorted rows and each token's valid slot count. (The output rows of
+// tokens with no valid slot are zeroed by stage 1, see moe_stage1.)
 void moe_route() {
     uint tid = gl_LocalInvocationID.x;
     for (uint e0 = 0u; e0 < pc.E; e0 += WG_SIZE) { uint e = e0 + tid; if (e < pc.E) s_count[e] = 0u; }
@@ -127,24 +126,9 @@ void moe_route() {
             route[route_row_expert(p)] = uint(e);
         }
     }
-    if (tid == 0u) s_empty_tokens = 0u;
-    barrier();
     for (uint t0 = 0u; t0 < pc.m; t0 += WG_SIZE) {
         uint t = t0 + tid;
-        if (t < pc.m) {
-            uint n = valid_slots(t);
-            route[route_valid(t)] = n;
-            if (n == 0u) atomicAdd(s_empty_tokens, 1u);
-        }
-    }
-    barrier();
-    // Tokens without a valid slot (possible only through record()) get a zero row; nobody else writes it. The
-    // whole-output sweep runs only then: it would cost more than the routing itself.
-    if (wg_uniform(s_empty_tokens) != 0u) {
-        for (uint i0 = 0u; i0 < pc.m * pc.H; i0 += WG_SIZE) {
-            uint i = i0 + tid;
-            if (i < pc.m * pc.H && valid_slots(i / pc.H) == 0u) out_h[i] = 0.0;
-        }
+        if (t < pc.m) route[route_valid(t)] = valid_slots(t);
     }
 }
 #endif
@@ -172,6 +156,12 @@ void moe_stage1(uint u) {
             v = rn16(f16_at(hidden[xe >> 1], xe) * s);
         }
         had_buf[i] = v;
+        // A token with no valid slot (possible only through record() / forward_sorted) gets a zero output row:
+        // nobody else writes it. Slot 0's items own that row, one column per invocation, so the fill is spread
+        // over the stage-1 workgroups with no loop: one routing workgroup sweeping all m*H outputs would run past
+        // lavapipe 22.3's per-invocation loop cap and leave rows unwritten.
+        if (proj == 0u && f < R() && f % pc.top_k == 0u && !valid_expert(e) && valid_slots(f / pc.top_k) == 0u)
+            out_h[(f / pc.top_k) * pc.H + h] = 0.0;
     }
     barrier();
     had_fwht(4u);

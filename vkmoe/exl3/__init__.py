@@ -8,12 +8,14 @@ from .decode import (
     dequantize,
     state_index_table,
 )
-from .loaders import load_exl3_tensor, load_moe_experts, save_exl3_tensor
+from .loaders import CheckpointError, MissingTensorError, load_exl3_tensor, load_moe_experts, save_exl3_tensor
 from .tensor import Exl3Tensor
 from . import reference
 
 __all__ = [
     "CODEBOOKS",
+    "CheckpointError",
+    "MissingTensorError",
     "TENSOR_CORE_PERM",
     "Exl3Tensor",
     "codebook_table",

@@ -8,7 +8,20 @@ import numpy as np
 
 from .tensor import Exl3Tensor
 
-__all__ = ["load_exl3_tensor", "load_moe_experts", "save_exl3_tensor", "MUL1_FLAG", "MCG_FLAG"]
+__all__ = ["load_exl3_tensor", "load_moe_experts", "save_exl3_tensor", "MUL1_FLAG", "MCG_FLAG", "CheckpointError",
+           "MissingTensorError"]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint whose config or tensors are inconsistent or unreadable; the message names the file/key at
+    fault. (Defined here, the lowest layer that reads checkpoints; vkmoe.models re-exports it.)"""
+
+
+class MissingTensorError(CheckpointError, KeyError):
+    """A tensor the config requires is not in the checkpoint."""
+
+    def __str__(self):  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
 
 # The flag tensors are presence markers only; these are the values exllamav3 writes (never read back).
 MUL1_FLAG = -2082680531  # 0x83DCD12D as int32
@@ -23,9 +36,14 @@ class _Source:
         if isinstance(src, (str, os.PathLike)):
             from safetensors import safe_open
 
+            from safetensors import SafetensorError
+
             self.name = os.fspath(src)
-            self._handle = safe_open(self.name, framework="numpy")
-            self._keys = set(self._handle.keys())
+            try:
+                self._handle = safe_open(self.name, framework="numpy")
+                self._keys = set(self._handle.keys())
+            except (OSError, SafetensorError) as exc:
+                raise CheckpointError(f"{self.name}: cannot read it as a safetensors file ({exc})") from None
         elif isinstance(src, _Source):
             self.__dict__.update(src.__dict__)
         elif hasattr(src, "keys") and hasattr(src, "__getitem__"):
@@ -43,16 +61,21 @@ class _Source:
 
     def get(self, key):
         if key not in self._keys:
-            raise KeyError(f"{key!r} not found in {self.name}")
+            raise MissingTensorError(f"{key!r} not found in {self.name}")
         if self._handle is not None:
-            return self._handle.get_tensor(key)
+            from safetensors import SafetensorError
+
+            try:
+                return self._handle.get_tensor(key)
+            except (OSError, SafetensorError, TypeError, ValueError) as exc:
+                raise CheckpointError(f"{self.name}: cannot read tensor {key} ({exc})") from None
         return np.asarray(self._dict[key])
 
 
 def _signs_from_bits(words: np.ndarray, length: int, key: str) -> np.ndarray:
     w = np.asarray(words)
     if w.dtype not in (np.int16, np.uint16) or w.ndim != 1 or w.shape[0] * 16 != length:
-        raise ValueError(f"{key}: expected int16 ({length // 16},) sign bitfield, got {w.dtype} {w.shape}")
+        raise CheckpointError(f"{key}: expected int16 ({length // 16},) sign bitfield, got {w.dtype} {w.shape}")
     bits = (w.view(np.uint16)[:, None] >> np.arange(16, dtype=np.uint16)) & 1
     return np.where(bits.reshape(-1) != 0, -1.0, 1.0).astype(np.float16)
 
@@ -62,23 +85,26 @@ def load_exl3_tensor(safetensors_file_or_dict, key: str) -> Exl3Tensor:
     src = _Source(safetensors_file_or_dict)
     tkey = f"{key}.trellis"
     if tkey not in src:
-        raise KeyError(f"{tkey!r} not found in {src.name}: not an EXL3 tensor (or wrong key prefix)")
+        raise MissingTensorError(f"{tkey!r} not found in {src.name}: not an EXL3 tensor (or wrong key prefix)")
     trellis = src.get(tkey)
     if trellis.ndim != 3:
-        raise ValueError(f"{tkey}: expected 3 dimensions, got shape {trellis.shape}")
+        raise CheckpointError(f"{tkey}: expected 3 dimensions, got shape {getattr(trellis, 'shape', None)}")
     k, n = trellis.shape[0] * 16, trellis.shape[1] * 16
     has_mcg, has_mul1 = f"{key}.mcg" in src, f"{key}.mul1" in src
     if has_mcg and has_mul1:
-        raise ValueError(f"{key}: both {key}.mcg and {key}.mul1 flags are present; a tensor has one codebook")
+        raise CheckpointError(f"{key}: both {key}.mcg and {key}.mul1 flags are present; a tensor has one codebook")
     codebook = "mcg" if has_mcg else "mul1" if has_mul1 else "3inst"
     scales = []
     for full, legacy, length in (("suh", "su", k), ("svh", "sv", n)):
         if f"{key}.{full}" in src:
-            scales.append(np.asarray(src.get(f"{key}.{full}")).astype(np.float16))
+            value = np.asarray(src.get(f"{key}.{full}"))
+            if value.dtype.kind not in "fiu":
+                raise CheckpointError(f"{key}.{full}: expected a float16 vector, got dtype {value.dtype}")
+            scales.append(value.astype(np.float16))
         elif f"{key}.{legacy}" in src:
             scales.append(_signs_from_bits(src.get(f"{key}.{legacy}"), length, f"{key}.{legacy}"))
         else:
-            raise KeyError(f"{key}.{full!s} (or legacy {key}.{legacy}) not found in {src.name}")
+            raise MissingTensorError(f"{key}.{full!s} (or legacy {key}.{legacy}) not found in {src.name}")
     bias = src.get(f"{key}.bias") if f"{key}.bias" in src else None
     if bias is not None:
         bias = np.asarray(bias)
@@ -87,15 +113,21 @@ def load_exl3_tensor(safetensors_file_or_dict, key: str) -> Exl3Tensor:
     try:
         return Exl3Tensor(trellis, scales[0], scales[1], codebook=codebook, bias=bias)
     except (ValueError, TypeError) as exc:
-        raise type(exc)(f"{key}: {exc}") from None
+        raise CheckpointError(f"{key}: {exc}") from None
 
 
-def load_moe_experts(safetensors_file_or_dict, prefix: str) -> dict:
+def load_moe_experts(safetensors_file_or_dict, prefix: str, num_experts: int | None = None) -> dict:
     """{'gate': [Exl3Tensor]*E or None, 'up': [...], 'down': [...], 'num_experts', 'codebook', 'bits'}.
 
     Experts are `{prefix}.experts.{e}.{gate,up,down}_proj`; E = 1 + the largest index found, and every index
-    below it must be complete. No gate_proj keys at all means a gateless (relu2) layer.
+    below it must be complete. No gate_proj keys at all means a gateless (relu2) layer. The file alone cannot
+    show that its last experts are missing: pass `num_experts` (from the model's config) and a file with
+    another count raises CheckpointError. Unreadable or inconsistent files raise CheckpointError (missing
+    tensors MissingTensorError, also a KeyError).
     """
+    if num_experts is not None and (isinstance(num_experts, bool) or not isinstance(num_experts, (int, np.integer))
+                                    or num_experts < 1):
+        raise TypeError(f"num_experts: expected a positive int or None, got {num_experts!r}")
     src = _Source(safetensors_file_or_dict)
     pat = re.compile(re.escape(prefix) + r"\.experts\.(\d+)\.(gate|up|down)_proj\.")
     found = {}
@@ -104,8 +136,11 @@ def load_moe_experts(safetensors_file_or_dict, prefix: str) -> dict:
         if mt:
             found.setdefault(mt.group(2), set()).add(int(mt.group(1)))
     if not found:
-        raise KeyError(f"no keys '{prefix}.experts.<e>.<gate|up|down>_proj.*' found in {src.name}")
+        raise MissingTensorError(f"no keys '{prefix}.experts.<e>.<gate|up|down>_proj.*' found in {src.name}")
     num = 1 + max(max(v) for v in found.values())
+    if num_experts is not None and num != num_experts:
+        error = MissingTensorError if num < num_experts else CheckpointError
+        raise error(f"{src.name}: {prefix} has experts 0..{num - 1}; expected {num_experts} experts")
     result = {"num_experts": num}
     codebooks, bits = set(), {}
     for proj in ("gate", "up", "down"):
@@ -116,22 +151,22 @@ def load_moe_experts(safetensors_file_or_dict, prefix: str) -> dict:
         for e in range(num):
             key = f"{prefix}.experts.{e}.{proj}_proj"
             if f"{key}.trellis" not in src:
-                raise KeyError(f"{key}.trellis not found in {src.name} (expert {e} of {num} is incomplete)")
+                raise MissingTensorError(f"{key}.trellis not found in {src.name} (expert {e} of {num} is incomplete)")
             t = load_exl3_tensor(src, key)
             if tensors:
                 t0 = tensors[0]
                 if t.codebook != t0.codebook:
-                    raise ValueError(f"{key}: codebook {t.codebook!r} differs from expert 0's {t0.codebook!r}")
+                    raise CheckpointError(f"{key}: codebook {t.codebook!r} differs from expert 0's {t0.codebook!r}")
                 if t.bits != t0.bits:
-                    raise ValueError(f"{key}: {t.bits} bits differs from expert 0's {t0.bits} bits")
+                    raise CheckpointError(f"{key}: {t.bits} bits differs from expert 0's {t0.bits} bits")
                 if (t.k, t.n) != (t0.k, t0.n):
-                    raise ValueError(f"{key}: shape {t.k}x{t.n} differs from expert 0's {t0.k}x{t0.n}")
+                    raise CheckpointError(f"{key}: shape {t.k}x{t.n} differs from expert 0's {t0.k}x{t0.n}")
             tensors.append(t)
         result[proj] = tensors
         codebooks.add(tensors[0].codebook)
         bits[proj] = tensors[0].bits
     if len(codebooks) > 1:
-        raise ValueError(f"{prefix}: gate/up/down use different codebooks {sorted(codebooks)}")
+        raise CheckpointError(f"{prefix}: gate/up/down use different codebooks {sorted(codebooks)}")
     result["codebook"] = codebooks.pop()
     result["bits"] = bits
     return result

@@ -176,6 +176,30 @@ def validate_moe_args(hidden, expert_ids, expert_weights, gate, up, down, activa
     return h, ids.astype(np.int64), w, E, H, I
 
 
+F32_MAX = float(np.finfo(np.float32).max)
+
+
+def check_op_routing(expert_ids: np.ndarray, expert_weights: np.ndarray, E: int) -> None:
+    """The routing rules of the ops' __call__ (Vulkan and cpu backends alike; the reference and `record()`
+    skip ids outside [0, E) instead): every id in [0, E), no expert twice in one row, and weights that stay
+    finite in the float32 the kernels compute in."""
+    m, top_k = expert_ids.shape
+    if m and (expert_ids.min() < 0 or expert_ids.max() >= E):
+        bad = expert_ids[(expert_ids < 0) | (expert_ids >= E)][0]
+        raise ValueError(f"expert_ids must lie in [0, {E}); found {bad}")
+    if m and top_k > 1:
+        s = np.sort(expert_ids, axis=1)
+        if (s[:, 1:] == s[:, :-1]).any():
+            row = int(np.nonzero((s[:, 1:] == s[:, :-1]).any(axis=1))[0][0])
+            raise ValueError(f"expert_ids row {row} names an expert twice: {expert_ids[row].tolist()}")
+    if not np.isfinite(expert_weights).all():
+        raise ValueError("expert_weights contains NaN or Inf")
+    largest = float(np.abs(expert_weights).max()) if m else 0.0
+    if largest > F32_MAX:
+        raise ValueError(f"expert_weights holds {largest:g}, beyond float32's range "
+                         f"(|w| <= {F32_MAX:g}): it would become Inf on the device")
+
+
 def _expert_rows(ids: np.ndarray, E: int):
     """Yield (e, token index array, slot index array) for every expert that has rows."""
     flat = ids.reshape(-1)

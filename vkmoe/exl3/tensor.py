@@ -8,15 +8,23 @@ from .decode import CODEBOOKS, dequantize
 __all__ = ["Exl3Tensor"]
 
 
+def _frozen_copy(arr: np.ndarray) -> np.ndarray:
+    """A read-only C-contiguous copy: the caller's array stays theirs, and nothing can change the tensor after
+    it was validated (or after its decoded weights were cached)."""
+    out = np.array(arr, order="C", copy=True)
+    out.setflags(write=False)
+    return out
+
+
 def _fp16_vector(name: str, value, length: int, expected: str) -> np.ndarray:
-    arr = np.asarray(value)
+    arr = _frozen_copy(np.asarray(value))  # copied before the check: a later write by the caller changes nothing
     if arr.dtype != np.float16:
         raise TypeError(f"{name}: expected float16, got dtype {arr.dtype}")
     if arr.ndim != 1 or arr.shape[0] != length:
         raise ValueError(f"{name}: expected shape ({length},) ({expected}), got {arr.shape}")
     if not np.all(np.isfinite(arr)):
         raise ValueError(f"{name}: expected finite values, found NaN/Inf")
-    return np.ascontiguousarray(arr)
+    return arr
 
 
 class Exl3Tensor:
@@ -24,7 +32,8 @@ class Exl3Tensor:
 
     trellis: uint16 or int16 (k/16, n/16, 16*K), K = bits in 1..8, k and n multiples of 128 (stored as a
     C-contiguous uint16 view); suh: float16 (k,); svh: float16 (n,); codebook: "mul1", "mcg" or "3inst";
-    bias: None or (n,) float16/float32 (stored float16, as exllamav3 does at load).
+    bias: None or (n,) float16/float32 (stored float16, as exllamav3 does at load). The arrays are stored as
+    read-only copies: changing the caller's arrays afterwards does not change the tensor.
     """
 
     __slots__ = ("trellis", "suh", "svh", "bias", "codebook", "k", "n", "bits", "_cache", "__weakref__")
@@ -44,7 +53,7 @@ class Exl3Tensor:
             raise ValueError(f"trellis: expected k = 16*shape[0] to be a positive multiple of 128, got k={k}")
         if n == 0 or n % 128 != 0:
             raise ValueError(f"trellis: expected n = 16*shape[1] to be a positive multiple of 128, got n={n}")
-        self.trellis = np.ascontiguousarray(tr.view(np.uint16))
+        self.trellis = _frozen_copy(tr.view(np.uint16))
         self.k, self.n, self.bits = k, n, tr.shape[2] // 16
         self.codebook = codebook
         self.suh = _fp16_vector("suh", suh, k, "k = input features")
@@ -57,7 +66,7 @@ class Exl3Tensor:
                 raise TypeError(f"bias: expected float16 or float32, got dtype {b.dtype}")
             if b.ndim != 1 or b.shape[0] != n:
                 raise ValueError(f"bias: expected shape ({n},) (n = output features), got {b.shape}")
-            self.bias = np.ascontiguousarray(b.astype(np.float16))
+            self.bias = _frozen_copy(b.astype(np.float16))
         self._cache = {}
 
     @property

@@ -42,6 +42,10 @@ class _SafetensorsFile:
             raise CheckpointError(f"{path}: safetensors file not found") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise CheckpointError(f"{path}: not a safetensors file ({exc})") from None
+        except OSError as exc:  # a directory, no permission, an I/O error
+            raise CheckpointError(f"{path}: cannot read it ({exc})") from None
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{path}: not a safetensors file (the header is not a JSON object)")
         self.data_start = 8 + n
         header.pop("__metadata__", None)
         self.header = header
@@ -51,12 +55,17 @@ class _SafetensorsFile:
 
     def read(self, key) -> np.ndarray:
         info = self.header[key]
-        dtype = info["dtype"]
-        if dtype not in _DTYPES:
-            raise CheckpointError(f"{self.path}: tensor {key} has unsupported dtype {dtype}")
-        begin, end = info["data_offsets"]
-        shape = tuple(info["shape"])
-        out = np.empty(shape, dtype=_DTYPES[dtype])
+        try:
+            dtype = info["dtype"]
+            if dtype not in _DTYPES:
+                raise CheckpointError(f"{self.path}: tensor {key} has unsupported dtype {dtype}")
+            begin, end = (int(v) for v in info["data_offsets"])
+            shape = tuple(int(v) for v in info["shape"])
+            out = np.empty(shape, dtype=_DTYPES[dtype])
+        except (KeyError, TypeError, ValueError) as exc:
+            if isinstance(exc, CheckpointError):
+                raise
+            raise CheckpointError(f"{self.path}: malformed header entry for tensor {key} ({exc!r})") from None
         if out.nbytes != end - begin:
             raise CheckpointError(f"{self.path}: tensor {key}: {end - begin} bytes stored for {dtype}{list(shape)}")
         with open(self.path, "rb") as f:
@@ -84,8 +93,8 @@ class Checkpoint:
         if os.path.exists(index):
             try:
                 with open(index) as f:
-                    weight_map = json.load(f)["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                    weight_map = dict(json.load(f)["weight_map"])
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError, OSError) as exc:
                 raise CheckpointError(f"{index}: not a safetensors index (needs a 'weight_map'): {exc}") from None
             for key, fname in weight_map.items():
                 fpath = os.path.join(self.path, fname)

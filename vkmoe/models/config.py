@@ -5,6 +5,8 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from ..exl3.loaders import CheckpointError, MissingTensorError  # defined where tensors are loaded; re-exported
+
 __all__ = ["ARCHITECTURES", "CheckpointError", "MissingTensorError", "MoeConfig", "ACTIVATION_BY_HF_ACT"]
 
 # HF `architectures` entry -> vkmoe's architecture name (the HF model_type).
@@ -24,17 +26,6 @@ ACTIVATION_BY_HF_ACT = {
     "gelu": "gelu_erf",
     "relu2": "relu2",
 }
-
-
-class CheckpointError(ValueError):
-    """A checkpoint whose config or tensors are inconsistent; the message names the file/key at fault."""
-
-
-class MissingTensorError(CheckpointError, KeyError):
-    """A tensor the config requires is not in the checkpoint."""
-
-    def __str__(self):  # KeyError would repr() the message
-        return str(self.args[0]) if self.args else ""
 
 
 @dataclass
@@ -68,6 +59,17 @@ class MoeConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict, source: str = "<dict>") -> "MoeConfig":
+        if not isinstance(cfg, dict):
+            raise CheckpointError(f"{source}: expected a JSON object, got {type(cfg).__name__}")
+        try:
+            return cls._from_dict(cfg, source)
+        except CheckpointError:
+            raise
+        except (TypeError, ValueError, AttributeError) as exc:  # e.g. "hidden_size": "abc" or a list
+            raise CheckpointError(f"{source}: a value has the wrong type ({exc})") from None
+
+    @classmethod
+    def _from_dict(cls, cfg: dict, source: str) -> "MoeConfig":
         def need(*names):
             for n in names:
                 if n in cfg and cfg[n] is not None:
@@ -127,6 +129,8 @@ class MoeConfig:
             raise CheckpointError(f"{path}: not found (a model directory needs config.json)") from None
         except json.JSONDecodeError as exc:
             raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CheckpointError(f"{path}: cannot read it ({exc})") from None
         return cls.from_dict(cfg, source=path)
 
     def validate(self) -> None:

@@ -2,6 +2,8 @@
 
 Two dispatches: the input Hadamard (fp16 rows, suh applied), then the GEMM with the output Hadamard fused
 (one workgroup per 128-column band and k-split; the last split of a band finishes it)."""
+import weakref
+
 import numpy as np
 
 from .. import layout
@@ -19,6 +21,17 @@ def _check_x(x, k):
     if x.dtype != np.float16:
         raise TypeError(f"x must be float16 (the op's input precision), got {x.dtype}")
     return np.ascontiguousarray(x)
+
+
+def _release_linear(io, scratch, owned):
+    """Free a linear layer's device objects, emptying its containers in place (close() and the finalizer)."""
+    for _, _, rec in io.values():
+        rec.close()
+    for b in owned:
+        b.close()
+    io.clear()
+    scratch.clear()
+    owned.clear()
 
 
 class Exl3Linear:
@@ -43,6 +56,8 @@ class Exl3Linear:
         self._io = {}       # m -> (x, y, recorder) for __call__
         self._owned = [self._trellis, self._suh, self._svh, self._bias]
         self.last_gpu_ms = None
+        # A layer dropped without close() still frees its device memory (not at exit: the process does that).
+        weakref.finalize(self, _release_linear, self._io, self._scratch, self._owned).atexit = False
 
     # ---------------------------------------------------------------------------------------------- record
     def _scratch_for(self, m):
@@ -121,11 +136,7 @@ class Exl3Linear:
         return bits.astype(np.uint16).view(np.float16)
 
     def close(self):
-        for _, _, rec in self._io.values():
-            rec.close()
-        for b in self._owned:
-            b.close()
-        self._io, self._scratch, self._owned = {}, {}, []
+        _release_linear(self._io, self._scratch, self._owned)
 
     def __enter__(self):
         return self

@@ -7,6 +7,7 @@ barriers or as one persistent dispatch with spin barriers (vkmoe.sched decides; 
 import threading
 import time
 from typing import NamedTuple
+import weakref
 
 import numpy as np
 
@@ -15,6 +16,7 @@ from ..exl3 import Exl3Tensor
 from ..layout import ACTIVATIONS, MAX_TOP_K, MOE_BINDINGS
 from ..layout import ROUTE_MAX_EXPERTS as MAX_EXPERTS
 from ..sched.plan import decide, persistent_plan
+from ..exl3.reference import check_op_routing
 from ..vk import CommandRecorder, PushConstants
 from . import kernels
 from .plan import moe_plan
@@ -89,18 +91,14 @@ class _Scratch:
     per-(token, slot) output rows and the self-resetting counters."""
 
     def __init__(self, device, plan, H, I):
-        mem = device.memory
         self.plan = plan
         size = layout.scratch_bytes(plan, H, I)
-        self.route = mem.allocate(size["route"])
-        self.states = mem.allocate(size["states"])
-        self.inter = mem.allocate(size["inter"])
-        self.partial = mem.allocate(size["partial"])
-        self.rows = mem.allocate(size["rows"])
         self.sync_words = size["sync"] // 4
-        self.sync = mem.allocate(size["sync"])
+        # all or nothing: a batch too large for the device allocates nothing
+        self.buffers = device.memory.allocate_all([size[k] for k in ("route", "states", "inter", "partial", "rows",
+                                                                      "sync")])
+        self.route, self.states, self.inter, self.partial, self.rows, self.sync = self.buffers
         self.reset_sync()
-        self.buffers = (self.route, self.states, self.inter, self.partial, self.rows, self.sync)
 
     def reset_sync(self):
         self.sync.upload(np.zeros(self.sync_words, np.uint32))
@@ -158,6 +156,21 @@ def _run_report(mode, requested, reason, fallback, plan, pplan, gpu_ms, wall_ms)
             "plan": plan.as_dict() if plan else None, "persistent_plan": pplan.as_dict() if pplan else None,
             "workgroups": pplan.workgroups if ran_persistent else None,
             "groups": pplan.groups if ran_persistent else None, "gpu_ms": gpu_ms, "wall_ms": wall_ms}
+def _release_layer(recorded, scratch, io, projections):
+    """Free a layer's device objects (emptying its dicts in place). close() calls it, and so does a finalizer
+    when the layer is dropped without close(); it must not reference the layer itself."""
+    for rec in recorded.values():
+        rec.close()
+    for s in scratch.values():
+        s.close()
+    for bufs in io.values():
+        for b in bufs:
+            b.close()
+    for p in {id(p): p for p in projections}.values():
+        p.close()
+    recorded.clear()
+    scratch.clear()
+    io.clear()
 
 
 class Exl3MoeMlp:
@@ -236,6 +249,11 @@ class Exl3MoeMlp:
         self._recorded = {}
         self._call_lock = threading.Lock()
         self.last_run = None
+        # A layer dropped without close() still frees its device memory (not at interpreter exit: by then the
+        # process gives everything back anyway).
+        projections = (gate, up, down) if gate is not None else (up, down)
+        self._resources = (self._recorded, self._scratch, self._io, projections)
+        weakref.finalize(self, _release_layer, *self._resources).atexit = False
 
     @property
     def dispatch(self):
@@ -244,11 +262,13 @@ class Exl3MoeMlp:
 
     # --------------------------------------------------------------------------------------------- loading
     @classmethod
-    def from_safetensors(cls, device, path, prefix, activation="silu", act_limit=0.0, dispatch=None):
-        """Load `{prefix}.experts.{e}.{gate,up,down}_proj` (exllamav3 names) from a safetensors file or dict."""
+    def from_safetensors(cls, device, path, prefix, activation="silu", act_limit=0.0, dispatch=None,
+                         num_experts=None):
+        """Load `{prefix}.experts.{e}.{gate,up,down}_proj` (exllamav3 names) from a safetensors file or dict.
+        `num_experts` (from the model config) makes a file whose last experts are missing an error."""
         from ..exl3 import load_moe_experts
 
-        experts = load_moe_experts(path, prefix)
+        experts = load_moe_experts(path, prefix, num_experts)
         gate = experts.get("gate")
         if gate is None and activation != "relu2":
             raise ValueError(f"{prefix}: no gate_proj tensors; a gateless layer needs activation='relu2'")
@@ -359,16 +379,7 @@ class Exl3MoeMlp:
                              f"{getattr(expert_weights, 'shape', type(expert_weights).__name__)}")
         if expert_weights.dtype not in (np.float16, np.float32, np.float64):
             raise TypeError(f"expert_weights must be float16/float32, got {expert_weights.dtype}")
-        if m and (expert_ids.min() < 0 or expert_ids.max() >= self.E):
-            bad = expert_ids[(expert_ids < 0) | (expert_ids >= self.E)][0]
-            raise ValueError(f"expert_ids must lie in [0, {self.E}); found {bad}")
-        if m and top_k > 1:
-            s = np.sort(expert_ids, axis=1)
-            if (s[:, 1:] == s[:, :-1]).any():
-                row = int(np.nonzero((s[:, 1:] == s[:, :-1]).any(axis=1))[0][0])
-                raise ValueError(f"expert_ids row {row} names an expert twice: {expert_ids[row].tolist()}")
-        if not np.isfinite(expert_weights).all():
-            raise ValueError("expert_weights contains NaN or Inf")
+        check_op_routing(expert_ids, expert_weights, self.E)
         return m, top_k
 
     # -------------------------------------------------------------------------------------------- forward
@@ -412,9 +423,8 @@ class Exl3MoeMlp:
     def _io_for(self, m, top_k):
         key = (m, top_k)
         if key not in self._io:
-            mem = self.device.memory
-            self._io[key] = (mem.allocate(m * self.H * 2), mem.allocate(m * top_k * 4), mem.allocate(m * top_k * 4),
-                             mem.allocate(m * self.H * 4))
+            self._io[key] = tuple(self.device.memory.allocate_all(
+                [m * self.H * 2, m * top_k * 4, m * top_k * 4, m * self.H * 4]))
         return self._io[key]
 
     def _run(self, hidden, ids, weights, m, top_k, key, record_body):
@@ -459,6 +469,9 @@ class Exl3MoeMlp:
         """exllamav3's kernel inputs: expert_count (E or E+1 entries; the last one, the sentinel, is ignored
         when E+1), token_sorted (token index per routed pair, grouped by expert), weight_sorted (matching
         routing weights). Rebuilt into per-token (ids, weights) and run as __call__."""
+        for name, value in (("expert_count", expert_count), ("token_sorted", token_sorted)):
+            if np.asarray(value).dtype.kind not in "iu":  # a float index would be truncated silently
+                raise TypeError(f"{name} must be an integer array, got dtype {np.asarray(value).dtype}")
         expert_count = np.asarray(expert_count).astype(np.int64).reshape(-1)
         token_sorted = np.asarray(token_sorted).astype(np.int64).reshape(-1)
         weight_sorted = np.asarray(weight_sorted).astype(np.float32).reshape(-1)
@@ -501,18 +514,7 @@ class Exl3MoeMlp:
         return self._forward(hidden, ids, weights, dispatch)
 
     def close(self):
-        for rec in self._recorded.values():
-            rec.close()
-        self._recorded = {}
-        for s in self._scratch.values():
-            s.close()
-        for bufs in self._io.values():
-            for b in bufs:
-                b.close()
-        projections = {id(p): p for p in (self._gate, self._up, self._down)}
-        for p in projections.values():
-            p.close()
-        self._scratch, self._io = {}, {}
+        _release_layer(*self._resources)
 
     def __enter__(self):
         return self

@@ -8,20 +8,19 @@ The device key is `device.identity` plus the compute-unit count and where it cam
 co-resident count follows LP_NUM_THREADS, which is read at device creation and is not part of the identity: a
 result measured with 3 worker threads must never plan a grid for a process running 2.
 """
-import json
-import os
 import threading
 import time
 
-from ..vk.quirks import cache_dir
+from ..vk.cachefile import cache_path as _cache_path, read_json, warn, write_json
 
 FILENAME = "residency.json"
 FORMAT = 1  # bump when the entry layout changes; entries of another format are ignored
 _lock = threading.Lock()
+_unsaved = {}  # device key -> entries stored by this process that the file could not take (kept in memory)
 
 
 def cache_path():
-    return os.path.join(cache_dir(), FILENAME)
+    return _cache_path(FILENAME)
 
 
 def device_key(device):
@@ -40,27 +39,55 @@ def variant_key(variant):
 
 
 def _load():
-    try:
-        with open(cache_path()) as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
+    """The cache as {device key: {entry key: entry}}; device entries that are not objects are dropped (with a
+    warning), what this process could not write is laid over the file."""
+    data = read_json(FILENAME)
+    for key in [k for k, v in data.items() if not isinstance(v, dict)]:
+        warn(f"ignoring the residency cache entry {key!r}: expected an object, found {type(data[key]).__name__}")
+        del data[key]
+    for key, entries in _unsaved.items():
+        data.setdefault(key, {}).update(entries)
+    return data
 
 
-def _save(data):
-    path = cache_path()
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)  # atomic: a concurrent reader sees the old or the new file, never half of one
+def _save(data, key):
+    """Write the cache; when that fails, keep device `key`'s entries in memory for this process."""
+    if write_json(FILENAME, data):
+        _unsaved.pop(key, None)
+    elif key is not None:
+        _unsaved[key] = dict(data.get(key, {}))
+
+
+def _is_count(value):
+    return type(value) is int and value >= 0
+
+
+def _entry_problem(entry):
+    """Why a cached variant entry cannot plan a launch (None when it can)."""
+    if not isinstance(entry, dict):
+        return f"expected an object, found {type(entry).__name__}"
+    if type(entry.get("persistent")) is not bool:
+        return f"persistent={entry.get('persistent')!r} is not true/false"
+    if not _is_count(entry.get("grid")):
+        return f"grid={entry.get('grid')!r} is not a count"
+    co = entry.get("co_resident")
+    if not isinstance(co, dict) or not _is_count(co.get("min")):
+        return f"co_resident={co!r} has no count 'min'"
+    return None
 
 
 def lookup(device, variant):
-    """The cached entry for this device and variant (a dict, see `entry_from_report`), or None."""
+    """The cached entry for this device and variant (a dict, see `entry_from_report`), or None. A malformed
+    entry is ignored with a warning (probe again to replace it)."""
+    vkey = variant_key(variant)
     with _lock:
-        entry = _load().get(device_key(device), {}).get(variant_key(variant))
-    if not isinstance(entry, dict) or entry.get("format") != FORMAT:
+        entry = _load().get(device_key(device), {}).get(vkey)
+    if entry is None or (isinstance(entry, dict) and entry.get("format") != FORMAT):
+        return None
+    problem = _entry_problem(entry)
+    if problem:
+        warn(f"ignoring the residency cache entry {vkey} of {device.name}: {problem} (run tools/probe_residency "
+             "to measure it again)")
         return None
     return entry
 
@@ -93,7 +120,7 @@ def store(device, report):
         entries = data.setdefault(key, {})
         for v in report["variants"]:
             entries[variant_key(v)] = entry_from_report(report, v)
-        _save(data)
+        _save(data, key)
     return cache_path()
 
 
@@ -106,10 +133,13 @@ def store_crossover(device, shape, max_m, evidence):
     key = device_key(device)
     with _lock:
         data = _load()
-        entry = data.setdefault(key, {}).setdefault(CROSSOVER_KEY, {"format": FORMAT, "shapes": {}})
+        entries = data.setdefault(key, {})
+        entry = entries.get(CROSSOVER_KEY)
+        if not isinstance(entry, dict) or entry.get("format") != FORMAT or not isinstance(entry.get("shapes"), dict):
+            entry = entries[CROSSOVER_KEY] = {"format": FORMAT, "shapes": {}}
         entry["shapes"][shape] = {"max_m": int(max_m), "evidence": evidence,
                                   "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
-        _save(data)
+        _save(data, key)
     return cache_path()
 
 
@@ -119,4 +149,11 @@ def lookup_crossover(device):
         entry = _load().get(device_key(device), {}).get(CROSSOVER_KEY)
     if not isinstance(entry, dict) or entry.get("format") != FORMAT:
         return {}
-    return entry.get("shapes", {})
+    shapes = entry.get("shapes")
+    if not isinstance(shapes, dict):
+        warn(f"ignoring the measured crossovers of {device.name}: 'shapes' is not an object")
+        return {}
+    good = {k: v for k, v in shapes.items() if isinstance(v, dict) and _is_count(v.get("max_m"))}
+    if len(good) != len(shapes):
+        warn(f"ignoring malformed crossover entries of {device.name}: {sorted(set(shapes) - set(good))}")
+    return good

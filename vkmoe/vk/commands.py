@@ -1,5 +1,6 @@
 """CommandRecorder: record dispatches, barriers, copies and timestamps into a reusable command buffer; submit
 and wait with a timeout (vkmoe.TimeoutError instead of blocking forever)."""
+import functools
 import time
 
 import numpy as np
@@ -16,6 +17,16 @@ _ACCESS = (vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT | vk.VK_
            | vk.VK_ACCESS_TRANSFER_WRITE_BIT)
 
 
+def _holds_device(method):
+    """Run a recording method with the device held open: a concurrent Device.close() waits for the driver call
+    instead of freeing the command buffer under it, and a call after close() raises DeviceClosedError."""
+    @functools.wraps(method)
+    def held(self, *args, **kwargs):
+        with self.device.use():
+            return method(self, *args, **kwargs)
+    return held
+
+
 class CommandRecorder:
     """A command buffer with its own pool, fence and timestamp query pool.
 
@@ -24,6 +35,10 @@ class CommandRecorder:
     """
 
     def __init__(self, device, timestamps=0, untracked=False):
+        with device.use():  # a concurrent Device.close() waits until the recorder exists and is tracked
+            self._create(device, timestamps, untracked)
+
+    def _create(self, device, timestamps, untracked):
         self.device = device
         h = device.handle
         self._pool = call("vkCreateCommandPool", vk.vkCreateCommandPool, h, vk.VkCommandPoolCreateInfo(
@@ -52,7 +67,9 @@ class CommandRecorder:
             device.track(self)
 
     # ------------------------------------------------------------------------------------------- recording
+    @_holds_device
     def begin(self):
+        self._check_open()
         if self._pending:
             self.wait()
         call("vkResetCommandBuffer", vk.vkResetCommandBuffer, self.handle, 0)
@@ -65,10 +82,17 @@ class CommandRecorder:
             vk.vkCmdResetQueryPool(self.handle, self._query_pool, 0, self.timestamp_slots)
         return self
 
+    def _check_open(self):
+        self.device.check_open()
+        if self.handle is None:
+            raise VkmoeError("CommandRecorder used after close()")
+
     def _check_recording(self):
+        self._check_open()
         if not self._recording:
             raise VkmoeError("record commands between begin() and end()")
 
+    @_holds_device
     def dispatch(self, pipeline, descriptor_set, groups, push=None):
         """Dispatch `pipeline` over `groups` workgroups (int or (x, y, z)) with a descriptor set and push block."""
         self._check_recording()
@@ -95,12 +119,14 @@ class CommandRecorder:
         if x and y and z:
             vk.vkCmdDispatch(cb, x, y, z)
 
+    @_holds_device
     def barrier(self):
         """Make every earlier shader/transfer write visible to every later shader/transfer access."""
         self._check_recording()
         mb = vk.VkMemoryBarrier(sType=vk.VK_STRUCTURE_TYPE_MEMORY_BARRIER, srcAccessMask=_ACCESS, dstAccessMask=_ACCESS)
         vk.vkCmdPipelineBarrier(self.handle, _SHADER_STAGES, _SHADER_STAGES, 0, 1, [mb], 0, None, 0, None)
 
+    @_holds_device
     def host_barrier(self):
         """Make shader writes visible to host reads after the fence (for host-visible result buffers)."""
         self._check_recording()
@@ -108,11 +134,13 @@ class CommandRecorder:
                                 dstAccessMask=vk.VK_ACCESS_HOST_READ_BIT)
         vk.vkCmdPipelineBarrier(self.handle, _SHADER_STAGES, vk.VK_PIPELINE_STAGE_HOST_BIT, 0, 1, [mb], 0, None, 0, None)
 
+    @_holds_device
     def copy(self, src, dst, nbytes, src_offset=0, dst_offset=0):
         self._check_recording()
         region = vk.VkBufferCopy(srcOffset=src.offset + src_offset, dstOffset=dst.offset + dst_offset, size=nbytes)
         vk.vkCmdCopyBuffer(self.handle, src.handle, dst.handle, 1, [region])
 
+    @_holds_device
     def fill(self, buf, value=0, nbytes=None, offset=0):
         """Fill with a repeated 32-bit word (size rounded down to a multiple of 4)."""
         self._check_recording()
@@ -120,6 +148,7 @@ class CommandRecorder:
         if size:
             vk.vkCmdFillBuffer(self.handle, buf.handle, buf.offset + offset, size, int(value) & 0xFFFFFFFF)
 
+    @_holds_device
     def timestamp(self):
         """Write a timestamp after all earlier commands; returns its slot index."""
         self._check_recording()
@@ -130,6 +159,7 @@ class CommandRecorder:
         self._next_timestamp += 1
         return slot
 
+    @_holds_device
     def end(self):
         self._check_recording()
         call("vkEndCommandBuffer", vk.vkEndCommandBuffer, self.handle)
@@ -138,12 +168,13 @@ class CommandRecorder:
 
     # ----------------------------------------------------------------------------------------- submission
     def submit(self, wait=True, timeout=None):
+        self._check_open()
         if not self._recorded:
             raise VkmoeError("submit() needs a recorded command buffer (begin() ... end())")
         if self._pending:
             self.wait(timeout)
         dev = self.device
-        with dev._lock:
+        with dev.use(), dev._lock:
             call("vkResetFences", vk.vkResetFences, dev.handle, 1, [self._fence])
             info = vk.VkSubmitInfo(sType=vk.VK_STRUCTURE_TYPE_SUBMIT_INFO, commandBufferCount=1,
                                    pCommandBuffers=[self.handle])
@@ -157,6 +188,10 @@ class CommandRecorder:
         """Wait for the last submission; raise vkmoe.TimeoutError after `timeout` seconds."""
         if not self._pending:
             return
+        with self.device.use():  # close() waits for this wait (bounded by `timeout`) instead of freeing the fence
+            self._wait(timeout)
+
+    def _wait(self, timeout):
         timeout = knobs.get("VKMOE_TIMEOUT") if timeout is None else float(timeout)
         deadline = time.monotonic() + timeout
         while True:
@@ -184,8 +219,10 @@ class CommandRecorder:
         if n == 0:
             return []
         data = ffi.new("uint64_t[]", n)
-        result = vk.lib.vkGetQueryPoolResults(self.device.handle, self._query_pool, 0, n, 8 * n, data, 8,
-                                              vk.VK_QUERY_RESULT_64_BIT | vk.VK_QUERY_RESULT_WAIT_BIT)
+        with self.device.use():
+            self._check_open()
+            result = vk.lib.vkGetQueryPoolResults(self.device.handle, self._query_pool, 0, n, 8 * n, data, 8,
+                                                  vk.VK_QUERY_RESULT_64_BIT | vk.VK_QUERY_RESULT_WAIT_BIT)
         check("vkGetQueryPoolResults", result)
         bits = self.device.timestamp_valid_bits
         mask = (1 << bits) - 1 if bits < 64 else (1 << 64) - 1

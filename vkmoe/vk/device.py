@@ -1,5 +1,6 @@
 """Device: instance, physical-device choice, logical device with the features vkmoe's shaders use, one compute
 queue, and the capability report (`info()`)."""
+import contextlib
 import logging
 import os
 import threading
@@ -7,7 +8,7 @@ import threading
 import vulkan as vk
 
 from .. import knobs
-from .errors import DeviceSelectionError, VkmoeError, call, check
+from .errors import DeviceClosedError, DeviceSelectionError, ValidationError, VkmoeError, call, check
 
 ffi = vk.ffi
 log = logging.getLogger("vkmoe")
@@ -164,6 +165,11 @@ class Device:
 
     def __init__(self, selector=None):
         self._closed = True
+        self._handle_alive = False
+        # Calls into the driver in progress (`use()`); close() waits for them, so another thread's forward
+        # ends with DeviceClosedError instead of touching destroyed objects.
+        self._in_use = 0
+        self._idle = threading.Condition()
         self.validation = _validation_requested()
         self.instance = _Instance.get(self.validation)
         if selector is None:
@@ -173,6 +179,7 @@ class Device:
         self._query_capabilities()
         self._create_logical_device()
         self._closed = False
+        self._handle_alive = True
         self._children = []  # objects to destroy on close, in reverse order
         self._lock = threading.RLock()  # queue submission is externally synchronised in Vulkan
         from .memory import MemoryManager  # circular import: memory needs a Device
@@ -409,12 +416,39 @@ class Device:
         except ValueError:
             pass
 
+    def check_open(self):
+        """Raise DeviceClosedError naming this device if close() has been called."""
+        if self._closed:
+            raise DeviceClosedError(f"{self!r} is closed; objects made from it cannot be used (open a new vkmoe.Device)")
+
+    @contextlib.contextmanager
+    def use(self):
+        """Hold the device open for the calls into the driver inside the block: close() waits until no block is
+        running, and a block started after close() raises DeviceClosedError."""
+        with self._idle:
+            self.check_open()
+            self._in_use += 1
+        try:
+            yield self
+        finally:
+            with self._idle:
+                self._in_use -= 1
+                self._idle.notify_all()
+
     def wait_idle(self):
-        with self._lock:
+        with self.use(), self._lock:
             call("vkDeviceWaitIdle", vk.vkDeviceWaitIdle, self.handle)
 
     def close(self):
-        if self._closed:
+        """Destroy the device and what was made from it. New calls are refused at once; calls already running
+        in other threads (a submission wait is bounded by its timeout) finish first."""
+        with self._idle:
+            if self._closed:
+                return
+            self._closed = True
+            while self._in_use:
+                self._idle.wait()
+        if not self._handle_alive:
             return
         try:
             vk.vkDeviceWaitIdle(self.handle)
@@ -424,7 +458,7 @@ class Device:
             obj.close()
         self.memory.close()
         vk.vkDestroyDevice(self.handle, None)
-        self._closed = True
+        self._handle_alive = False
 
     @property
     def closed(self):

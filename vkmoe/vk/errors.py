@@ -23,6 +23,10 @@ class ValidationError(VkmoeError):
     """The Khronos validation layer reported a problem (only with VKMOE_VALIDATION=1)."""
 
 
+class DeviceClosedError(VkmoeError):
+    """A vkmoe.Device (or an object made from it) was used after Device.close()."""
+
+
 class DeviceSelectionError(VkmoeError, LookupError):
     """No Vulkan device matched the requested index or name."""
 

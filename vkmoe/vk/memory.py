@@ -119,6 +119,7 @@ class Buffer:
     def array(self, dtype, shape=None):
         """Zero-copy numpy view of a host-visible buffer (valid until close())."""
         self._check_open()
+        self.device.check_open()  # the view itself is valid only while the device is open
         if self.block.pointer is None:
             raise VkmoeError("array() needs a host-visible buffer; use download() for device-local memory")
         dtype = np.dtype(dtype)
@@ -138,7 +139,8 @@ class Buffer:
         raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
         if offset < 0 or offset + raw.nbytes > self.size:
             raise ValueError(f"upload of {raw.nbytes} bytes at offset {offset} does not fit a {self.size}-byte buffer")
-        self._manager.write(self, offset, raw)
+        with self.device.use():  # a closed device's memory is unmapped: raise instead of writing into it
+            self._manager.write(self, offset, raw)
 
     def download(self, dtype=np.uint8, shape=None, offset=0):
         """Read the buffer (or `shape` elements of `dtype` from byte `offset`) into a new numpy array."""
@@ -148,7 +150,8 @@ class Buffer:
         nbytes = count * dtype.itemsize
         if offset < 0 or offset + nbytes > self.size:
             raise ValueError(f"download of {nbytes} bytes at offset {offset} exceeds the {self.size}-byte buffer")
-        raw = self._manager.read(self, offset, nbytes)
+        with self.device.use():
+            raw = self._manager.read(self, offset, nbytes)
         out = raw.view(dtype)
         return out if shape is None else out.reshape(shape)
 
@@ -208,7 +211,7 @@ class MemoryManager:
                              f"({self.max_range} bytes); split the data")
         size = -(-nbytes // 16) * 16
         mapped = host_visible or self.device_mappable
-        with self._lock:
+        with self.device.use(), self._lock:
             blocks = self._blocks[host_visible]
             for block in blocks:
                 offset = block.allocate(size, self.alignment)
@@ -219,6 +222,24 @@ class MemoryManager:
             blocks.append(block)
             offset = block.allocate(size, self.alignment)
             return Buffer(self, block, offset, nbytes, host_visible)
+
+    def allocate_all(self, sizes):
+        """Buffers of the given byte sizes, all or none: every size is checked before anything is allocated,
+        and a failure part-way closes what was already allocated (a rejected call must not leak)."""
+        sizes = [int(n) for n in sizes]
+        for n in sizes:
+            if not 0 < n <= self.max_range:
+                raise ValueError(f"buffer of {n} bytes: expected 1 .. {self.max_range} bytes (this device's "
+                                 "maxStorageBufferRange); split the data or the batch")
+        done = []
+        try:
+            for n in sizes:
+                done.append(self.allocate(n))
+        except BaseException:
+            for b in done:
+                b.close()
+            raise
+        return done
 
     def release(self, buf):
         size = -(-buf.size // 16) * 16

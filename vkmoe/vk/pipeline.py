@@ -100,13 +100,14 @@ class Pipeline:
         self._allow_unused_spec = allow_unused_spec
         h = device.handle
         self.handle = self.layout = self.set_layout = self._module = None
-        try:
-            self._create_objects(code, given, required_subgroup_size)
-        except BaseException:
-            self._destroy_objects()  # a failed constructor must not leak what it already created
-            raise
-        self._pool = _DescriptorPools(device, self.binding_count)
-        device.track(self)
+        with device.use():  # a concurrent Device.close() waits until the pipeline exists and is tracked
+            try:
+                self._create_objects(code, given, required_subgroup_size)
+            except BaseException:
+                self._destroy_objects()  # a failed constructor must not leak what it already created
+                raise
+            self._pool = _DescriptorPools(device, self.binding_count)
+            device.track(self)
 
     def _create_objects(self, code, given, required_subgroup_size):
         h = self.device.handle
@@ -244,7 +245,7 @@ class _DescriptorPools:
         return entry
 
     def allocate(self, layout, buffers):
-        with self._lock:
+        with self.device.use(), self._lock:
             return self._allocate(layout, buffers)
 
     def _allocate(self, layout, buffers):

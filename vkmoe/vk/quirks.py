@@ -1,40 +1,14 @@
 """Driver quirks found by measurement, cached per (driver, device) in the vkmoe cache directory."""
-import json
-import os
 import threading
 
 import numpy as np
 
-from .. import knobs
+from .cachefile import cache_dir, read_json, warn, write_json  # noqa: F401 - cache_dir: the caches' home
 
 _lock = threading.Lock()
 PROBE_ITERATIONS = 200_000  # well past lavapipe 22.3's 65,535 cap, cheap everywhere
-
-
-def cache_dir():
-    path = knobs.get("VKMOE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "vkmoe")
-    os.makedirs(path, exist_ok=True)
-    return path
-
-
-def _cache_path():
-    return os.path.join(cache_dir(), "quirks.json")
-
-
-def _load():
-    try:
-        with open(_cache_path()) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return {}
-
-
-def _store(entries):
-    tmp = _cache_path() + f".{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(entries, f, indent=1, sort_keys=True)
-    os.replace(tmp, _cache_path())
+FILENAME = "quirks.json"
+_measured = {}  # device identity -> quirks measured by this process (what counts when the file cannot be written)
 
 
 def _run_probe_shader(device, shader, words, groups, push=None):
@@ -99,16 +73,43 @@ def measure_subgroups_linear(device):
 MEASUREMENTS = {"loop_iteration_cap": measure_loop_iteration_cap, "subgroups_linear": measure_subgroups_linear}
 
 
+def _bad_value(name, value):
+    """Why a cached quirk value cannot be used (None when it can)."""
+    if name == "loop_iteration_cap":
+        ok = value is None or (type(value) is int and value > 0)
+    else:
+        ok = value is None or type(value) is bool
+    return None if ok else f"{name}={value!r}"
+
+
+def _cached_entry(key):
+    """The cached quirks of `key` when complete and well-formed; else None (with a warning when malformed)."""
+    entry = read_json(FILENAME).get(key)
+    if entry is None:
+        return None
+    if not isinstance(entry, dict):
+        warn(f"ignoring the cached quirks of {key}: expected an object, found {type(entry).__name__}")
+        return None
+    if not set(MEASUREMENTS) <= set(entry):
+        return None  # written before a quirk existed: measured again
+    bad = [why for why in (_bad_value(name, entry[name]) for name in MEASUREMENTS) if why]
+    if bad:
+        warn(f"ignoring the cached quirks of {key}: invalid {', '.join(bad)}; measuring again")
+        return None
+    return {name: entry[name] for name in MEASUREMENTS}
+
+
 def detect_quirks(device, refresh=False):
     key = device.identity
-    with _lock:
-        entries = _load()
-        # an entry written before a quirk existed is measured again
-        if not refresh and key in entries and set(MEASUREMENTS) <= set(entries[key]):
-            return entries[key]
+    if not refresh:
+        with _lock:
+            quirks = _measured.get(key) or _cached_entry(key)
+        if quirks is not None:
+            return dict(quirks)
     quirks = {name: measure(device) for name, measure in MEASUREMENTS.items()}
     with _lock:
-        entries = _load()
+        _measured[key] = quirks
+        entries = read_json(FILENAME)
         entries[key] = quirks
-        _store(entries)
-    return quirks
+        write_json(FILENAME, entries)
+    return dict(quirks)

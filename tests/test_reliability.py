@@ -1,0 +1,508 @@
+"""Regression tests for the faults found by using vkmoe as a hostile user would (issue 13): loop-cap safe
+zero rows, a closed device, broken or unwritable caches, arrays shared with the caller, leaks, and validation
+gaps. Each test compares real outputs (poisoned first) with the float64 reference or exact zeros."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import vkmoe
+from vkmoe.exl3 import reference
+from goldens import golden_files, load_layer, rel_rms
+
+TOL = 3e-3
+TINY = next(p for p in golden_files() if p.endswith("a_tiny_silu_k4.npz"))  # H 256, I 128, E 8, mul1 K4
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def tiny_layer():
+    return load_layer(TINY)
+
+
+# ------------------------------------------------------------------------------ 1: zero rows vs the loop cap
+def test_unrouted_tokens_get_zero_rows_past_the_loop_cap(device, tiny_layer):
+    """m * H / 256 = 70,000 > 65,536: the old single-workgroup zero sweep stopped early on Mesa 22.3 and left
+    NaN poison in thousands of rows. Only token 0 is routed; every other row must be exactly 0, token 0's row
+    must match the reference, and split and persistent must agree bit for bit."""
+    L = tiny_layer
+    m, H = 70_000, L.hidden_size
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((m, H)).astype(np.float16)
+    expert_count = np.zeros(L.num_experts, np.int64)
+    expert_count[3] = 1
+    token_sorted, weight_sorted = np.array([0]), np.array([0.75], np.float32)
+    outs = {}
+    with vkmoe.Exl3MoeMlp(device, L.gate, L.up, L.down, activation="silu") as moe:
+        for mode in ("split", "persistent"):
+            y = moe.forward_sorted(x, expert_count, token_sorted, weight_sorted, dispatch=mode)
+            assert y.shape == (m, H)
+            nan_rows = int(np.isnan(y).any(axis=1).sum())
+            assert nan_rows == 0, f"{mode}: {nan_rows} rows kept the NaN poison"
+            assert not y[1:].any(), f"{mode}: unrouted rows are not zero"
+            outs[mode] = y
+    ref = reference.moe_forward(x[:1], np.array([[3]]), np.array([[0.75]]), L.gate, L.up, L.down,
+                                activation="silu")
+    assert rel_rms(outs["split"][:1], ref) < TOL
+    assert np.array_equal(outs["split"], outs["persistent"])
+
+
+# ------------------------------------------------------------------------------------ 2: a closed device
+def _run_script(body, env=None, timeout=240):
+    """Run `body` in a fresh interpreter (a crash must not take the test run with it); returns the result."""
+    script = textwrap.dedent("""
+        import sys, threading
+        import numpy as np
+        sys.path.insert(0, {tests!r})
+        import vkmoe
+        from goldens import load_layer
+        L = load_layer({tiny!r})
+    """).format(tests=os.path.join(REPO, "tests"), tiny=TINY) + textwrap.dedent(body)
+    full_env = dict(os.environ, **(env or {}))
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout,
+                          env=full_env, cwd=REPO)
+
+
+def _assert_closed_error(result):
+    assert result.returncode == 0, f"exit {result.returncode}\nstdout: {result.stdout}\nstderr: {result.stderr[-3000:]}"
+    assert "OK" in result.stdout, result.stdout
+    assert "validation:" not in result.stderr, result.stderr[-3000:]
+
+
+CLOSED_CASES = {
+    "layer called after close": """
+        dev = vkmoe.Device()
+        moe = vkmoe.Exl3MoeMlp(dev, L.gate, L.up, L.down, dispatch="split")
+        c = L.calls[0]
+        moe(c["x"], c["selected"], c["weights"])
+        dev.close()
+        try:
+            moe(c["x"], c["selected"], c["weights"])
+        except vkmoe.VkmoeError as exc:
+            assert "is closed" in str(exc) and "vkmoe.Device" in str(exc), exc
+            print("OK", exc)
+        moe.close()  # closing the layer afterwards is harmless
+    """,
+    "op created on a closed device": """
+        dev = vkmoe.Device()
+        dev.close()
+        for make in (lambda: vkmoe.Exl3MoeMlp(dev, L.gate, L.up, L.down),
+                     lambda: vkmoe.Exl3Linear(dev, L.up[0]),
+                     lambda: dev.memory.allocate(64),
+                     lambda: vkmoe.CommandRecorder(dev)):
+            try:
+                make()
+                raise SystemExit("no error")
+            except vkmoe.VkmoeError as exc:
+                assert "is closed" in str(exc), exc
+        print("OK")
+    """,
+    "close while another thread runs forwards": """
+        dev = vkmoe.Device()
+        moe = vkmoe.Exl3MoeMlp(dev, L.gate, L.up, L.down, dispatch="split")
+        c = L.calls[0]
+        ref = moe(c["x"], c["selected"], c["weights"])
+        outcome = {}
+        started = threading.Event()
+        def worker():
+            n = 0
+            try:
+                while True:
+                    y = moe(c["x"], c["selected"], c["weights"])
+                    assert np.array_equal(y, ref)
+                    n += 1
+                    started.set()
+            except vkmoe.VkmoeError as exc:
+                outcome["error"], outcome["n"] = exc, n
+            except BaseException as exc:
+                outcome["other"] = exc
+            started.set()
+        t = threading.Thread(target=worker)
+        t.start()
+        started.wait(120)
+        dev.close()
+        t.join(120)
+        assert "other" not in outcome, outcome
+        assert "is closed" in str(outcome["error"]), outcome
+        print("OK", outcome["n"], "forwards before close")
+    """,
+    "close while another thread builds, records and runs layers": """
+      import time
+      for delay in (0.0, 0.001, 0.003, 0.01, 0.03, 0.1):  # close() lands in different phases of the work
+        dev = vkmoe.Device()
+        c = L.calls[0]
+        outcome = {"n": 0}
+        started = threading.Event()
+        def worker():
+            try:
+                while True:  # a new layer each time: allocation, upload, recording and submission all race close()
+                    moe = vkmoe.Exl3MoeMlp(dev, L.gate, L.up, L.down, dispatch="split")
+                    for m in (1, 2, 3):
+                        moe(c["x"][:m], c["selected"][:m], c["weights"][:m])
+                        outcome["n"] += 1
+                        started.set()
+                    moe.close()
+            except vkmoe.VkmoeError as exc:
+                outcome["error"] = exc
+            except BaseException as exc:
+                outcome["other"] = exc
+            started.set()
+        t = threading.Thread(target=worker)
+        t.start()
+        started.wait(120)
+        time.sleep(delay)
+        dev.close()
+        t.join(120)
+        assert "other" not in outcome, outcome
+        assert "is closed" in str(outcome["error"]), outcome
+        print("OK", outcome["n"], "forwards before close")
+    """,
+}
+
+
+@pytest.mark.parametrize("case", sorted(CLOSED_CASES))
+def test_closed_device_raises_instead_of_crashing(case):
+    _assert_closed_error(_run_script(CLOSED_CASES[case]))
+
+
+# --------------------------------------------------------------------- 3, 4: malformed or unwritable caches
+from vkmoe.sched import residency  # noqa: E402
+from vkmoe.vk import quirks  # noqa: E402
+from vkmoe.vk.cachefile import CacheWarning  # noqa: E402
+
+
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch):
+    """An empty cache directory of the test's own, with nothing remembered from earlier measurements."""
+    monkeypatch.setenv("VKMOE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(quirks, "_measured", {})
+    monkeypatch.setattr(residency, "_unsaved", {})
+    (tmp_path / "cache").mkdir()
+    return tmp_path / "cache"
+
+
+def _write(path, text):
+    path.write_text(text)
+    return path
+
+
+def _forward_ok(dev, L, dispatch):
+    c = L.calls[0]
+    with vkmoe.Exl3MoeMlp(dev, L.gate, L.up, L.down, activation="silu") as moe:
+        y = moe(c["x"], c["selected"], c["weights"], dispatch=dispatch)
+    ref = reference.moe_forward(c["x"], c["selected"], c["weights"], L.gate, L.up, L.down, activation="silu")
+    assert rel_rms(y, ref) < TOL, dispatch
+
+
+@pytest.mark.parametrize("content", ["[]", "{not json", "\xff\xfe", '{"KEY": "abc"}',
+                                     '{"KEY": {"loop_iteration_cap": "abc", "f16_fma_fused": false, '
+                                     '"subgroups_linear": true}}',
+                                     '{"KEY": {"loop_iteration_cap": null, "f16_fma_fused": 3, '
+                                     '"subgroups_linear": true}}'])
+def test_malformed_quirks_cache_is_measured_again_and_repaired(device, fresh_cache, content):
+    truth = dict(device.quirks)  # measured (or validly cached) before the cache was broken
+    quirks._measured.clear()
+    path = _write(fresh_cache / "quirks.json", content.replace("KEY", device.identity.replace('"', '\\"')))
+    with pytest.warns(CacheWarning, match="ignoring"):
+        got = quirks.detect_quirks(device)
+    assert got == truth
+    import json
+
+    assert json.loads(path.read_text())[device.identity] == truth  # the file was repaired
+    assert quirks.detect_quirks(device) == truth
+
+
+def test_malformed_residency_cache_leaves_every_mode_working(fresh_cache, tiny_layer, monkeypatch):
+    import json
+
+    monkeypatch.delenv("VKMOE_PERSISTENT_GRID", raising=False)
+    with vkmoe.Device() as dev:
+        key = residency.device_key(dev)
+        variant = residency.variant_key((256, 16384))
+        for bad in ("abc", {variant: {"format": residency.FORMAT, "persistent": True, "grid": "abc",
+                                      "co_resident": {"min": "abc"}}},
+                    {residency.CROSSOVER_KEY: {"format": residency.FORMAT, "shapes": {"x": {"max_m": "abc"}}}}):
+            _write(fresh_cache / "residency.json", json.dumps({key: bad}))
+            with pytest.warns(CacheWarning):
+                for dispatch in ("split", "persistent", "auto"):
+                    _forward_ok(dev, tiny_layer, dispatch)
+            if isinstance(bad, dict) and variant in bad:
+                with pytest.warns(CacheWarning, match="grid='abc'"):
+                    assert residency.lookup(dev, variant) is None
+        assert not dev.take_validation_messages()
+
+
+def test_unwritable_cache_dir_keeps_measurements_in_memory(tmp_path, monkeypatch, tiny_layer):
+    blocker = _write(tmp_path / "a-file", "not a directory")
+    monkeypatch.setenv("VKMOE_CACHE_DIR", str(blocker / "vkmoe"))
+    monkeypatch.setattr(quirks, "_measured", {})
+    monkeypatch.setattr(residency, "_unsaved", {})
+    with vkmoe.Device() as dev:
+        with pytest.warns(CacheWarning, match="cannot write"):
+            info = dev.info()
+        assert set(quirks.MEASUREMENTS) <= set(info["quirks"])
+        assert dev.identity in quirks._measured  # a second device in this process does not measure again
+        calls = []
+        monkeypatch.setattr(quirks, "MEASUREMENTS", {k: (lambda d, k=k: calls.append(k)) for k in quirks.MEASUREMENTS})
+        assert quirks.detect_quirks(dev) == info["quirks"] and not calls
+        for dispatch in ("split", "auto"):
+            _forward_ok(dev, tiny_layer, dispatch)
+        report_entry = {"workgroup_size": 256, "shared_bytes": 16384, "verdict": {"persistent": True, "grid": 2,
+                        "reason": "test"}, "co_resident": {"min": 2, "median": 2, "samples": [2], "launched": 4}}
+        with pytest.warns(CacheWarning, match="cannot write"):
+            residency.store(dev, {"variants": [report_entry], "quirks": {}, "device": {}})
+        assert residency.lookup(dev, (256, 16384))["grid"] == 2  # kept in memory for this process
+        assert not dev.take_validation_messages()
+
+
+# ------------------------------------------------------------------------------------------------ 8: leaks
+def _bytes_in_use(dev):
+    blocks = [b for kind in dev.memory._blocks.values() for b in kind]
+    return sum(b.size - sum(size for _, size in b.free) for b in blocks)
+
+
+def test_layer_dropped_without_close_frees_its_memory(dev, tiny_layer):
+    import gc
+
+    L, c = tiny_layer, tiny_layer.calls[0]
+    gc.collect()
+    before = _bytes_in_use(dev)
+    for _ in range(5):
+        moe = vkmoe.Exl3MoeMlp(dev, L.gate, L.up, L.down, activation="silu", dispatch="split")
+        y = moe(c["x"], c["selected"], c["weights"])
+        assert np.isfinite(y).all()
+        assert _bytes_in_use(dev) > before
+        del moe, y
+        gc.collect()
+        assert _bytes_in_use(dev) == before
+    layer = vkmoe.Exl3MoeMlp(dev, L.gate, L.up, L.down, activation="silu", dispatch="split")
+    layer.close()  # close() and then the finalizer: nothing is freed twice
+    del layer
+    gc.collect()
+    assert _bytes_in_use(dev) == before
+
+
+def test_oversized_batch_is_rejected_without_allocating(dev, tiny_layer):
+    L = tiny_layer
+    m = 70_000  # top_k 2: the stage buffers need 2 * m * 2 * H * 2 bytes, more than lavapipe's 128 MiB range
+    limit = dev.limits.maxStorageBufferRange
+    assert 4 * m * 2 * L.hidden_size > limit, "pick a larger m for this device"
+    x = np.ones((m, L.hidden_size), np.float16)
+    ids = np.tile(np.array([[1, 2]]), (m, 1))
+    w = np.full((m, 2), 0.5, np.float16)
+    with vkmoe.Exl3MoeMlp(dev, L.gate, L.up, L.down, activation="silu", dispatch="split") as moe:
+        before = _bytes_in_use(dev)
+        for _ in range(3):
+            with pytest.raises(ValueError, match="maxStorageBufferRange"):
+                moe(x, ids, w)
+            assert _bytes_in_use(dev) == before
+        y = moe(x[:2], ids[:2], w[:2])  # the layer still works
+        ref = reference.moe_forward(x[:2], ids[:2], w[:2], L.gate, L.up, L.down, activation="silu")
+        assert rel_rms(y, ref) < TOL
+
+
+# ------------------------------------------------------------------------- 7: arrays shared with the caller
+def test_exl3_tensor_keeps_its_own_read_only_arrays(tiny_layer):
+    t0 = tiny_layer.up[0]
+    trellis, suh, svh = t0.trellis.copy(), t0.suh.copy(), t0.svh.copy()
+    t = vkmoe.Exl3Tensor(trellis, suh, svh, codebook=t0.codebook)
+    w = t.dequantize().copy()
+    svh[:] = np.nan
+    suh[:] = np.nan
+    trellis[:] = 0
+    assert np.isfinite(t.svh).all() and np.isfinite(t.suh).all()
+    assert np.array_equal(t.dequantize(), w)
+    assert np.array_equal(vkmoe.Exl3Tensor(t.trellis, t.suh, t.svh, codebook=t.codebook).dequantize(), w)
+    for name in ("trellis", "suh", "svh"):
+        with pytest.raises(ValueError, match="read-only"):
+            getattr(t, name)[0] = 0
+
+
+# -------------------------------------------------------------------------------------- 9: validation gaps
+def test_float64_weight_beyond_float32_is_rejected(device, tiny_layer):
+    L, c = tiny_layer, tiny_layer.calls[0]
+    w = c["weights"].astype(np.float64)
+    w[0, 0] = 1e300  # finite in float64, Inf once cast to the float32 the kernels use
+    from vkmoe import cpu, registry
+
+    with vkmoe.Exl3MoeMlp(device, L.gate, L.up, L.down, dispatch="split") as moe:
+        with pytest.raises(ValueError, match="expert_weights.*float32"):
+            moe(c["x"], c["selected"], w)
+        y = moe(c["x"], c["selected"], c["weights"])  # still fine afterwards
+    with pytest.raises(ValueError, match="expert_weights.*float32"):
+        cpu.moe_forward(c["x"], c["selected"], w, L.gate, L.up, L.down)
+    with pytest.raises(ValueError, match="expert_weights.*float32"):
+        registry.create("exl3_moe_mlp", L.gate, L.up, L.down, backend="cpu")(c["x"], c["selected"], w)
+    ref = reference.moe_forward(c["x"], c["selected"], c["weights"], L.gate, L.up, L.down, activation="silu")
+    assert rel_rms(y, ref) < TOL
+
+
+def test_forward_sorted_rejects_float_indices(device, tiny_layer):
+    L = tiny_layer
+    x = np.ones((2, L.hidden_size), np.float16)
+    count = np.zeros(L.num_experts, np.int64)
+    count[1] = 2
+    with vkmoe.Exl3MoeMlp(device, L.gate, L.up, L.down, dispatch="split") as moe:
+        with pytest.raises(TypeError, match="token_sorted must be an integer array, got dtype float64"):
+            moe.forward_sorted(x, count, np.array([0.0, 1.7]), np.array([0.5, 0.5], np.float32))
+        with pytest.raises(TypeError, match="expert_count must be an integer array"):
+            moe.forward_sorted(x, count.astype(np.float32), np.array([0, 1]), np.array([0.5, 0.5], np.float32))
+
+
+def test_cpu_backend_rejects_the_ids_the_vulkan_backend_rejects(tiny_layer):
+    from vkmoe import registry
+
+    L, c = tiny_layer, tiny_layer.calls[0]
+    op = registry.create("exl3_moe_mlp", L.gate, L.up, L.down, backend="cpu")
+    ids = c["selected"].copy()
+    ids[0, 0] = L.num_experts
+    with pytest.raises(ValueError, match=r"expert_ids must lie in \[0, %d\)" % L.num_experts):
+        op(c["x"], ids, c["weights"])
+    ids = c["selected"].copy()
+    ids[0, 1] = ids[0, 0]
+    with pytest.raises(ValueError, match="expert_ids row 0 names an expert twice"):
+        op(c["x"], ids, c["weights"])
+    y = op(c["x"], c["selected"], c["weights"])
+    ref = reference.moe_forward(c["x"], c["selected"], c["weights"], L.gate, L.up, L.down, activation="silu")
+    assert rel_rms(y, ref) < TOL
+
+
+def _checkpoint_files(tiny_layer, tmp_path, drop_last=False):
+    from safetensors.numpy import save_file
+    from vkmoe.exl3 import save_exl3_tensor
+
+    L, prefix, tensors = tiny_layer, "model.layers.0.mlp", {}
+    for e in range(L.num_experts - (1 if drop_last else 0)):
+        for proj, lst in (("gate", L.gate), ("up", L.up), ("down", L.down)):
+            save_exl3_tensor(tensors, f"{prefix}.experts.{e}.{proj}_proj", lst[e])
+    path = tmp_path / "layer.safetensors"
+    save_file(tensors, str(path))
+    return path, prefix
+
+
+def test_from_safetensors_with_num_experts_detects_a_missing_last_expert(device, tiny_layer, tmp_path):
+    from vkmoe.exl3 import MissingTensorError, load_moe_experts
+
+    path, prefix = _checkpoint_files(tiny_layer, tmp_path, drop_last=True)
+    E = tiny_layer.num_experts
+    assert load_moe_experts(str(path), prefix)["num_experts"] == E - 1  # the file alone cannot tell
+    with pytest.raises(MissingTensorError, match=f"experts 0..{E - 2}; expected {E} experts"):
+        vkmoe.Exl3MoeMlp.from_safetensors(device, str(path), prefix, num_experts=E)
+    (tmp_path / "full").mkdir()
+    full, _ = _checkpoint_files(tiny_layer, tmp_path / "full")
+    with vkmoe.Exl3MoeMlp.from_safetensors(device, str(full), prefix, num_experts=E, dispatch="split") as moe:
+        c = tiny_layer.calls[0]
+        y = moe(c["x"], c["selected"], c["weights"])
+    ref = reference.moe_forward(c["x"], c["selected"], c["weights"], tiny_layer.gate, tiny_layer.up,
+                                tiny_layer.down, activation="silu")
+    assert rel_rms(y, ref) < TOL
+
+
+def test_unreadable_checkpoints_raise_checkpoint_error(tmp_path):
+    from vkmoe.exl3 import CheckpointError, load_exl3_tensor, load_moe_experts
+    from vkmoe.models import MoeConfig
+
+    garbage = _write(tmp_path / "garbage.safetensors", "garbage" * 4)
+    for path in (garbage, tmp_path / "missing.safetensors", tmp_path):
+        with pytest.raises(CheckpointError, match="cannot read it as a safetensors file"):
+            load_moe_experts(str(path), "model.layers.0.mlp")
+        with pytest.raises(CheckpointError):
+            load_exl3_tensor(str(path), "x")
+    (tmp_path / "bad-utf8").mkdir()
+    (tmp_path / "bad-utf8" / "config.json").write_bytes(b"{\"hidden_size\": \"\xff\xfe\"}")
+    (tmp_path / "dir-config").mkdir()
+    (tmp_path / "dir-config" / "config.json").mkdir()
+    _write(tmp_path / "list.json", "[1, 2]")
+    _write(tmp_path / "types.json", '{"model_type": "qwen3_moe", "hidden_size": "abc", "num_experts": 8, '
+                                    '"num_experts_per_tok": 2, "moe_intermediate_size": 128}')
+    _write(tmp_path / "types2.json", '{"model_type": "qwen3_moe", "hidden_size": 256, "num_experts": [8], '
+                                     '"num_experts_per_tok": 2, "moe_intermediate_size": 128}')
+    for path in ("bad-utf8", "dir-config", "list.json", "types.json", "types2.json"):
+        with pytest.raises(CheckpointError, match=str(tmp_path / path)):
+            MoeConfig.from_file(tmp_path / path)
+    bad = {"model.layers.0.mlp.experts.0.up_proj.trellis": np.zeros((8, 8, 64), np.uint16),
+           "model.layers.0.mlp.experts.0.up_proj.suh": np.array(["a"] * 128),
+           "model.layers.0.mlp.experts.0.up_proj.svh": np.ones(128, np.float16)}
+    with pytest.raises(CheckpointError, match="suh"):
+        load_exl3_tensor(bad, "model.layers.0.mlp.experts.0.up_proj")
+    bad["model.layers.0.mlp.experts.0.up_proj.suh"] = np.ones(128, np.float32)
+    bad["model.layers.0.mlp.experts.0.up_proj.trellis"] = np.zeros((8, 8, 64), np.float32)
+    with pytest.raises(CheckpointError, match="trellis: expected uint16"):
+        load_exl3_tensor(bad, "model.layers.0.mlp.experts.0.up_proj")
+
+
+CLI_USAGE_ERRORS = [
+    ("bench_moe", "--small", "--device", "7"),
+    ("bench_moe", "--small", "--json", "/nonexistent-dir/x.json"),  # refused before the run, not after it
+    ("probe_residency", "--repeats", "1e20"),
+    ("probe_residency", "--repeats", "100000000000000000000"),
+    ("check_decode", "--k", "100"),
+    ("bench_cpu", "--m", "-1"),
+    ("profile_moe", "--m", "0"),
+    ("make_exl3_moe_checkpoint", "--out", "UNDER_A_FILE/ckpt"),
+]
+
+
+@pytest.mark.parametrize("argv", CLI_USAGE_ERRORS, ids=[" ".join(a) for a in CLI_USAGE_ERRORS])
+def test_tool_argument_errors_are_usage_errors(argv, tmp_path):
+    blocker = _write(tmp_path / "a-file", "x")
+    args = [a.replace("UNDER_A_FILE", str(blocker)) for a in argv]
+    result = subprocess.run([sys.executable, os.path.join(REPO, "tools", args[0]), *args[1:]], capture_output=True,
+                            text=True, timeout=120, cwd=REPO, env=dict(os.environ, VKMOE_CACHE_DIR=str(tmp_path)))
+    assert result.returncode == 2, (result.returncode, result.stderr[-2000:])
+    assert "Traceback" not in result.stderr and "error:" in result.stderr, result.stderr[-2000:]
+    assert not os.path.exists(tmp_path / "ckpt")
+
+
+def test_linear_dropped_without_close_frees_its_memory(dev, tiny_layer):
+    import gc
+
+    t = tiny_layer.up[0]
+    x = np.random.default_rng(3).standard_normal((3, t.k)).astype(np.float16)
+    gc.collect()
+    before = _bytes_in_use(dev)
+    for _ in range(3):
+        lin = vkmoe.Exl3Linear(dev, t)
+        y = lin(x)
+        assert _bytes_in_use(dev) > before
+        del lin
+        gc.collect()
+        assert _bytes_in_use(dev) == before
+    assert rel_rms(y.astype(np.float32), reference.linear_forward(x, t)) < TOL
+
+
+def _safetensors_bytes(header):
+    import json
+    import struct
+
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + b"\0" * 64
+
+
+def test_malformed_model_directories_raise_checkpoint_error(tmp_path):
+    from vkmoe.exl3 import CheckpointError
+    from vkmoe.models.checkpoint import Checkpoint
+
+    cases = {
+        "header-list": {"model.safetensors": _safetensors_bytes([1, 2])},
+        "bad-entry": {"model.safetensors": _safetensors_bytes({"w": {"dtype": "F32", "shape": "ab",
+                                                                       "data_offsets": [0, 8]}})},
+        "bad-index-utf8": {"model.safetensors.index.json": b"{\"weight_map\": \"\xff\"}"},
+        "index-not-map": {"model.safetensors.index.json": b"{\"weight_map\": 3}"},
+        "shard-is-dir": {"model.safetensors/": None},
+    }
+    for name, files in cases.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        for fname, data in files.items():
+            if fname.endswith("/"):
+                (folder / fname).mkdir()
+            else:
+                (folder / fname).write_bytes(data)
+        with pytest.raises(CheckpointError, match=str(folder)):
+            ckpt = Checkpoint(folder)
+            for key in ckpt.keys():
+                ckpt[key]

@@ -1,0 +1,63 @@
+"""vkmoe's cache files (`quirks.json`, `residency.json`): where they live, and reading and writing them so that
+a malformed or unwritable cache never breaks a forward. A file that is not a JSON object is ignored with a
+warning (and rewritten by the next store); a store that fails warns and leaves the caller's values in memory."""
+import json
+import os
+import warnings
+
+from .. import knobs
+
+
+class CacheWarning(RuntimeWarning):
+    """A cache file was malformed (ignored, re-measured) or could not be written (values kept in memory)."""
+
+
+def warn(message):
+    warnings.warn(message, CacheWarning, stacklevel=3)
+
+
+def cache_dir():
+    """VKMOE_CACHE_DIR, else $XDG_CACHE_HOME/vkmoe, else ~/.cache/vkmoe (created only when a file is stored)."""
+    return knobs.get("VKMOE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "vkmoe")
+
+
+def cache_path(filename):
+    return os.path.join(cache_dir(), filename)
+
+
+def read_json(filename):
+    """The cache file's top-level object, or {} when it is missing, unreadable or not a JSON object."""
+    path = cache_path(filename)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (FileNotFoundError, NotADirectoryError):  # no cache yet (an unusable directory warns when written)
+        return {}
+    except (OSError, ValueError) as exc:  # ValueError covers JSON and UTF-8 decoding errors
+        warn(f"ignoring the vkmoe cache {path}: {exc}")
+        return {}
+    if not isinstance(data, dict):
+        warn(f"ignoring the vkmoe cache {path}: expected a JSON object, found {type(data).__name__}")
+        return {}
+    return data
+
+
+def write_json(filename, data):
+    """Replace the cache file atomically; returns False (with a warning) when it cannot be written."""
+    path = cache_path(filename)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)  # a concurrent reader sees the old or the new file, never half of one
+        return True
+    except OSError as exc:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        warn(f"cannot write the vkmoe cache {path} ({exc}); measured values are kept in memory for this process "
+             "(set VKMOE_CACHE_DIR to a writable directory to keep them)")
+        return False
