@@ -12,6 +12,7 @@ import numpy as np
 from ..exl3 import Exl3Tensor
 from ..vk import CommandRecorder, PushConstants
 from . import kernels
+from .device_array import CallTransfers, DeviceArray, resolve_out
 from .plan import moe_plan
 
 ACTIVATIONS = {"silu": 0, "gelu": 1, "relu2": 2, "swiglu_oai": 3, "gelu_erf": 4}
@@ -20,6 +21,7 @@ POISON_F32 = 0x7FC00000  # a quiet NaN: an output element the kernels forget to 
 MOE_BINDINGS = 19       # shaders/include/moe_bindings.glsl
 MAX_TOP_K = 32          # shaders/include/moe_stages.glsl unrolls per-token slot loops to this
 MAX_EXPERTS = 1024       # routing counters live in shared memory (3 x 4 bytes per expert)
+STATUS_BYTES = 16       # after the (m, H) output in the readback buffer: the persistent launch's abort word
 
 
 class MoePush(PushConstants):
@@ -185,6 +187,8 @@ class Exl3MoeMlp:
         self._io = {}
         self._recorded = {}
         self._call_lock = threading.Lock()
+        self._transfers = CallTransfers(device)      # DeviceArray copies riding on a call's one submission
+        self._call_options = threading.local()      # per call: the DeviceArray the output goes to, if any
         self.last_run = None
 
     @property
@@ -292,7 +296,9 @@ class Exl3MoeMlp:
 
     # ------------------------------------------------------------------------------------------ validation
     def _check_inputs(self, hidden, expert_ids, expert_weights):
-        if not isinstance(hidden, np.ndarray) or hidden.ndim != 2 or hidden.shape[1] != self.H:
+        if isinstance(hidden, DeviceArray):
+            hidden.check("hidden", self.device, (None, self.H), np.float16)
+        elif not isinstance(hidden, np.ndarray) or hidden.ndim != 2 or hidden.shape[1] != self.H:
             raise ValueError(f"hidden must be a numpy array of shape (m, {self.H}), got "
                              f"{getattr(hidden, 'shape', type(hidden).__name__)}")
         if hidden.dtype != np.float16:
@@ -325,9 +331,23 @@ class Exl3MoeMlp:
         return m, top_k
 
     # -------------------------------------------------------------------------------------------- forward
-    def __call__(self, hidden, expert_ids, expert_weights, dispatch=None):
+    def __call__(self, hidden, expert_ids, expert_weights, dispatch=None, out=None):
+        """hidden: (m, H) float16, numpy or DeviceArray. out: None (return numpy), "device" (return a new
+        DeviceArray) or a DeviceArray (m, H) float32 to write and return."""
         self._check_inputs(hidden, expert_ids, expert_weights)
-        return self._forward(hidden, expert_ids, expert_weights, dispatch)
+        target = resolve_out(out, self.device, (hidden.shape[0], self.H), np.float32)
+        if target is None:
+            return self._forward(hidden, expert_ids, expert_weights, dispatch)
+        self._call_options.out = target  # read by _run, below run_forward's mode decision
+        try:
+            self._forward(hidden, expert_ids, expert_weights, dispatch)
+        except BaseException:
+            if target is not out:
+                target.close()
+            raise
+        finally:
+            self._call_options.out = None
+        return target
 
     def _forward(self, hidden, ids, weights, dispatch):
         """Run checked inputs (ids outside [0, E) are skipped on the device) in the resolved dispatch mode."""
@@ -340,54 +360,75 @@ class Exl3MoeMlp:
             return np.zeros((0, self.H), np.float32)
         from ..sched.launch import run_forward  # the persistent/split decision and the fallback
 
-        return run_forward(self, mode, np.ascontiguousarray(hidden), np.ascontiguousarray(ids, np.int32),
+        hidden = hidden if isinstance(hidden, DeviceArray) else np.ascontiguousarray(hidden)
+        return run_forward(self, mode, hidden, np.ascontiguousarray(ids, np.int32),
                            np.ascontiguousarray(weights, np.float32), m, top_k)
 
     def _io_for(self, m, top_k):
+        """(hidden, ids, weights, out) buffers of a batch shape: the inputs where the host writes and the device
+        reads them, the output (+ STATUS_BYTES) where the device writes and the host reads it, so a call needs
+        no staging copies (vkmoe/vk/memory.py: "upload" and "readback" memory)."""
         key = (m, top_k)
         if key not in self._io:
             mem = self.device.memory
-            self._io[key] = (mem.allocate(m * self.H * 2), mem.allocate(m * top_k * 4), mem.allocate(m * top_k * 4),
-                             mem.allocate(m * self.H * 4))
+            self._io[key] = (mem.allocate(m * self.H * 2, kind="upload"), mem.allocate(m * top_k * 4, kind="upload"),
+                             mem.allocate(m * top_k * 4, kind="upload"),
+                             mem.allocate(m * self.H * 4 + STATUS_BYTES, kind="readback"))
         return self._io[key]
 
-    def _run(self, hidden, ids, weights, m, top_k, key, record_body):
-        """Upload, submit the command buffer recorded for (m, top_k, key) (recorded on first use, output
-        poisoned with NaN first), wait; returns (out, gpu_ms, scratch)."""
+    def _run(self, hidden, ids, weights, m, top_k, key, record_body, status=False):
+        """Write the inputs, submit the command buffer recorded for (m, top_k, key) ONCE, wait; returns
+        (out, gpu_ms, scratch, abort word). Recorded on first use: the output poisoned with NaN first (an element
+        no stage writes stays NaN), with status=True the sync area's abort word copied behind the output.
+        hidden may be a DeviceArray, and the output may go to the DeviceArray of _call_options.out (then out
+        is None): their copies are recorded per call and ride on the same submission (CallTransfers)."""
         hb, ib, wb, ob = self._io_for(m, top_k)
         scratch = self._scratch_for(m, top_k)
+        out_bytes = m * self.H * 4
         rec = self._recorded.get((m, top_k, key))
         if rec is None:
             rec = CommandRecorder(self.device, timestamps=2)
             rec.begin()
-            rec.fill(ob, POISON_F32)  # an element no stage writes stays NaN
+            rec.fill(ob, POISON_F32)
             rec.barrier()
             rec.timestamp()
             record_body(rec, scratch, self._bindings(scratch, hb, ib, wb, ob))
             rec.timestamp()
+            if status:  # record_body ended with a barrier: the kernel's abort word is final
+                rec.copy(scratch.sync, ob, 4, dst_offset=out_bytes)
+            rec.host_barrier()
             rec.end()
             self._recorded[(m, top_k, key)] = rec
+        target = getattr(self._call_options, "out", None)
         with self._call_lock:  # one forward at a time per layer: the io and scratch buffers are per layer
-            hb.upload(hidden)
+            copies_in = copies_out = ()
+            if isinstance(hidden, DeviceArray):
+                copies_in = [(hidden.buffer, hb, m * self.H * 2)]
+            else:
+                hb.upload(hidden)
             ib.upload(ids)
             wb.upload(weights)
-            rec.submit(wait=True)
+            if target is not None:
+                copies_out = [(ob, target.buffer, out_bytes)]
+            self._transfers.submit(rec, copies_in, copies_out)
             gpu_ms = rec.elapsed_ms()
-            out = ob.download(np.float32, (m, self.H))
-        return out, gpu_ms, scratch
+            out = ob.download(np.float32, (m, self.H)) if target is None else None
+            abort = int(ob.download(np.uint32, (1,), offset=out_bytes)[0]) if status else 0
+        return out, gpu_ms, scratch, abort
 
     def run_split(self, hidden, ids, weights, m, top_k):
         """Upload, run the split path (output poisoned first), wait; returns (out, gpu_ms, plan)."""
-        out, gpu_ms, scratch = self._run(hidden, ids, weights, m, top_k, "split", self._record_split)
+        out, gpu_ms, scratch, _ = self._run(hidden, ids, weights, m, top_k, "split", self._record_split)
         return out, gpu_ms, scratch.plan
 
     def run_persistent(self, hidden, ids, weights, m, top_k, pplan):
         """Upload, run the persistent kernel, wait; returns (out, gpu_ms, abort code). A non-zero abort code
         means the output is not valid (the caller re-runs split after resetting the sync area)."""
         key = ("persistent", pplan.workgroups, pplan.spin_limit, pplan.loop_budget)
-        out, gpu_ms, scratch = self._run(hidden, ids, weights, m, top_k, key,
-                                         lambda rec, sc, bufs: self._record_persistent(rec, sc, bufs, pplan))
-        return out, gpu_ms, int(scratch.sync.download(np.uint32, (1,))[0])
+        out, gpu_ms, _, abort = self._run(hidden, ids, weights, m, top_k, key,
+                                          lambda rec, sc, bufs: self._record_persistent(rec, sc, bufs, pplan),
+                                          status=True)
+        return out, gpu_ms, abort
 
     def forward_sorted(self, hidden, expert_count, token_sorted, weight_sorted, dispatch=None):
         """exllamav3's kernel inputs: expert_count (E or E+1 entries; the last one, the sentinel, is ignored
@@ -435,6 +476,7 @@ class Exl3MoeMlp:
         return self._forward(hidden, ids, weights, dispatch)
 
     def close(self):
+        self._transfers.close()
         for rec in self._recorded.values():
             rec.close()
         self._recorded = {}
