@@ -8,6 +8,7 @@ The device key is `device.identity` plus the compute-unit count and where it cam
 co-resident count follows LP_NUM_THREADS, which is read at device creation and is not part of the identity: a
 result measured with 3 worker threads must never plan a grid for a process running 2.
 """
+import copy
 import json
 import os
 import threading
@@ -48,6 +49,25 @@ def _load():
     return data if isinstance(data, dict) else {}
 
 
+_memo = {}  # path -> ((inode, mtime_ns, size), parsed contents)
+
+
+def _cached():
+    """The cache file's contents for lookups, parsed once and re-read only when the file's stat changes (a
+    probe stored by this or another process). Auto mode looks the cache up on every MoE call: no file reads
+    there. Shared: lookups hand out copies."""
+    path = cache_path()
+    try:
+        st = os.stat(path)
+    except OSError:
+        return {}
+    stamp = (st.st_ino, st.st_mtime_ns, st.st_size)  # _save replaces the file: a new inode each time
+    hit = _memo.get(path)
+    if hit is None or hit[0] != stamp:
+        hit = _memo[path] = (stamp, _load())
+    return hit[1]
+
+
 def _save(data):
     path = cache_path()
     tmp = f"{path}.{os.getpid()}.tmp"
@@ -59,10 +79,10 @@ def _save(data):
 def lookup(device, variant):
     """The cached entry for this device and variant (a dict, see `entry_from_report`), or None."""
     with _lock:
-        entry = _load().get(device_key(device), {}).get(variant_key(variant))
+        entry = _cached().get(device_key(device), {}).get(variant_key(variant))
     if not isinstance(entry, dict) or entry.get("format") != FORMAT:
         return None
-    return entry
+    return copy.deepcopy(entry)
 
 
 def entry_from_report(report, variant_report):
@@ -125,7 +145,7 @@ def store_crossover(device, shape, max_m, evidence):
 def lookup_crossover(device):
     """{shape: {"max_m": ..., ...}} measured on this device, or {}."""
     with _lock:
-        entry = _load().get(device_key(device), {}).get(CROSSOVER_KEY)
+        entry = _cached().get(device_key(device), {}).get(CROSSOVER_KEY)
     if not isinstance(entry, dict) or entry.get("format") != FORMAT:
         return {}
-    return entry.get("shapes", {})
+    return copy.deepcopy(entry.get("shapes", {}))
