@@ -295,3 +295,54 @@ def test_residency_cache_read_once(device, tmp_path, monkeypatch):
         json.dump(data, f)
     os.replace(path + ".new", path)
     assert residency.lookup_crossover(device)["tiny"]["max_m"] == 16
+
+
+# ------------------------------------------------------------------------------------ SparseMoeBlock
+@pytest.fixture(scope="module")
+def blocks(device, tmp_path_factory):
+    """(qwen3 block without shared experts, deepseek block with one) on the session device."""
+    from test_models import DEEPSEEK, QWEN
+    from vkmoe.models import SparseMoeBlock, write_checkpoint
+
+    made = []
+    for name, spec in (("qwen3_moe", QWEN), ("deepseek_v3", DEEPSEEK)):
+        path = write_checkpoint(str(tmp_path_factory.mktemp(name)), **spec)
+        made.append(SparseMoeBlock.from_checkpoint(path, 0, backend="vulkan", device=device))
+    yield made
+    for block in made:
+        block.moe.close()
+        for op in (block.shared_ops or {}).values():
+            op.close()
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_block_takes_and_returns_device_arrays(device, blocks, dtype):
+    for block in blocks:
+        hidden = make_x(4, block.config.hidden_size, seed=12).astype(dtype)
+        expect = block(hidden)
+        assert np.isfinite(expect).all()
+        with DeviceArray.from_numpy(device, hidden) as xd:
+            assert np.array_equal(block(xd), expect)
+            y = block(xd, out="device")
+            assert isinstance(y, DeviceArray) and y.dtype == np.float32
+            assert np.array_equal(y.numpy(), expect), block
+            y.close()
+        with DeviceArray.empty(device, hidden.shape, np.float32) as out:
+            assert block(hidden, out=out) is out and np.array_equal(out.numpy(), expect)
+
+
+def test_block_bad_device_arrays(device, blocks, discrete, layer):
+    block = blocks[0]
+    other = discrete[0]
+    x = make_x(2, block.config.hidden_size, seed=13)
+    with DeviceArray.from_numpy(other, x) as foreign:
+        with pytest.raises(ValueError, match=r"hidden is a DeviceArray on"):
+            block(foreign)
+    with DeviceArray.from_numpy(device, x[:, :128]) as narrow:
+        with pytest.raises(ValueError, match=r"hidden must have shape \(m, 256\)"):
+            block(narrow)
+    with pytest.raises(ValueError, match=r"out must be None, 'device' or a vkmoe DeviceArray"):
+        block(x, out="gpu")
+    with DeviceArray.empty(device, (3, block.config.hidden_size), np.float32) as wrong_rows:
+        with pytest.raises(ValueError, match=r"out must have shape \(2, 256\)"):
+            block(x, out=wrong_rows)
