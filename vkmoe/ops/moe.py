@@ -389,7 +389,7 @@ class Exl3MoeMlp:
         if rec is None:
             rec = CommandRecorder(self.device, timestamps=2)
             rec.begin()
-            rec.fill(ob, POISON_F32)
+            rec.fill(ob, POISON_F32)  # an element no stage writes stays NaN
             rec.barrier()
             rec.timestamp()
             record_body(rec, scratch, self._bindings(scratch, hb, ib, wb, ob))
