@@ -346,3 +346,17 @@ def test_block_bad_device_arrays(device, blocks, discrete, layer):
     with DeviceArray.empty(device, (3, block.config.hidden_size), np.float32) as wrong_rows:
         with pytest.raises(ValueError, match=r"out must have shape \(2, 256\)"):
             block(x, out=wrong_rows)
+
+
+def test_block_on_cpu_backend_refuses_device_arrays(device, tmp_path):
+    from test_models import QWEN
+    from vkmoe.models import SparseMoeBlock, write_checkpoint
+
+    block = SparseMoeBlock.from_checkpoint(write_checkpoint(str(tmp_path), **QWEN), 0, backend="cpu")
+    x = make_x(2, block.config.hidden_size, seed=14)
+    assert np.isfinite(block(x)).all()  # numpy in and out needs no Vulkan layer
+    with DeviceArray.from_numpy(device, x) as xd:
+        with pytest.raises(ValueError, match=r"a DeviceArray hidden needs the vulkan backend; this block runs on 'cpu'"):
+            block(xd)
+    with pytest.raises(ValueError, match=r"out needs the vulkan backend"):
+        block(x, out="device")
