@@ -198,10 +198,8 @@ def _forward_ok(dev, L, dispatch):
 
 
 @pytest.mark.parametrize("content", ["[]", "{not json", "\xff\xfe", '{"KEY": "abc"}',
-                                     '{"KEY": {"loop_iteration_cap": "abc", "f16_fma_fused": false, '
-                                     '"subgroups_linear": true}}',
-                                     '{"KEY": {"loop_iteration_cap": null, "f16_fma_fused": 3, '
-                                     '"subgroups_linear": true}}'])
+                                     '{"KEY": {"loop_iteration_cap": "abc", "subgroups_linear": true}}',
+                                     '{"KEY": {"loop_iteration_cap": null, "subgroups_linear": 3}}'])
 def test_malformed_quirks_cache_is_measured_again_and_repaired(device, fresh_cache, content):
     truth = dict(device.quirks)  # measured (or validly cached) before the cache was broken
     quirks._measured.clear()

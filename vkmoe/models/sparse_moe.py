@@ -112,14 +112,32 @@ class SparseMoeBlock:
                                           c.routed_scaling_factor)
         return ids, wts.astype(dt)
 
-    def __call__(self, hidden) -> np.ndarray:
+    def __call__(self, hidden, out=None):
+        """hidden (m, H) float16/float32 -> (m, H) float32. With the vulkan backend hidden may be a DeviceArray,
+        and out "device" (return a new DeviceArray) or a DeviceArray to fill. The router and the shared experts'
+        activation still run on the host (issue 18 item 3 moves them): a DeviceArray hidden is fetched for them
+        (the routed experts read a float16 one on the device), and with shared experts the sum is uploaded."""
+        x_dev = target = None
+        if out is not None or not isinstance(hidden, np.ndarray):
+            # Imported only here: the numpy path (and the CPU backend) must not need the Vulkan layer.
+            from ..ops.device_array import DeviceArray, resolve_out
+        if not isinstance(hidden, np.ndarray) and isinstance(hidden, DeviceArray):
+            hidden.check("hidden", self._vulkan_device("a DeviceArray hidden"), (None, self.config.hidden_size),
+                         hidden.dtype)
+            x_dev = hidden if hidden.dtype == np.float16 else None
+            hidden = hidden.numpy()
         h = self._check_hidden(hidden)
         m = h.shape[0]
+        if out is not None:
+            target = resolve_out(out, self._vulkan_device("out"), (m, self.config.hidden_size), np.float32)
         if m == 0:
-            return np.zeros((0, self.config.hidden_size), np.float32)
+            return np.zeros((0, self.config.hidden_size), np.float32) if target is None else target
         ids, wts = self.route(h)
         x16 = np.ascontiguousarray(h, dtype=np.float16)
-        out = np.asarray(self.moe(x16, ids, wts.astype(np.float32)), dtype=np.float32)
+        experts_in = x16 if x_dev is None else x_dev
+        if target is not None and not self.shared_ops:
+            return self.moe(experts_in, ids, wts.astype(np.float32), out=target)
+        out = np.asarray(self.moe(experts_in, ids, wts.astype(np.float32)), dtype=np.float32)
         if self.shared_ops:
             ops = self.shared_ops
             u = ops["up"](x16).astype(np.float32)
@@ -127,7 +145,17 @@ class SparseMoeBlock:
             # fp16 between the linears, as exllamav3's GatedMLP hands its intermediate on.
             p = _activate(g, u, self.activation).astype(np.float16)
             out = out + ops["down"](p).astype(np.float32)
+        if target is not None:
+            target.buffer.upload(out)
+            return target
         return out
+
+    def _vulkan_device(self, what):
+        """The device of the routed-expert op, which DeviceArrays must live on."""
+        device = getattr(self.moe, "device", None)
+        if self.backend != "vulkan" or device is None:
+            raise ValueError(f"{what} needs the vulkan backend; this block runs on {self.backend!r}")
+        return device
 
     @property
     def last_run(self):

@@ -10,10 +10,13 @@ from .. import layout
 from ..exl3 import Exl3Tensor
 from ..vk import CommandRecorder
 from . import kernels
+from .device_array import CallTransfers, DeviceArray, resolve_out
 from .plan import gemm_plan
 
 
-def _check_x(x, k):
+def _check_x(x, k, device):
+    if isinstance(x, DeviceArray):
+        return x.check("x", device, (None, k), np.float16)
     if not isinstance(x, np.ndarray):
         raise TypeError(f"x must be a numpy array of shape (m, {k}) float16, got {type(x).__name__}")
     if x.ndim != 2 or x.shape[1] != k:
@@ -54,6 +57,7 @@ class Exl3Linear:
         self._bias.upload(tensor.bias.astype(np.float16) if self.has_bias else np.zeros(tensor.n, np.float16))
         self._scratch = {}  # m -> (xh, partial, counters) for record()
         self._io = {}       # m -> (x, y, recorder) for __call__
+        self._transfers = CallTransfers(device)  # DeviceArray copies riding on a call's one submission
         self._owned = [self._trellis, self._suh, self._svh, self._bias]
         self.last_gpu_ms = None
         # A layer dropped without close() still frees its device memory (not at exit: the process does that).
@@ -95,27 +99,42 @@ class Exl3Linear:
         cmd.barrier()
 
     # ---------------------------------------------------------------------------------------------- call
-    def __call__(self, x):
-        x = _check_x(x, self.k)
+    def __call__(self, x, out=None):
+        """x: (m, k) float16, numpy or DeviceArray. out: None (return numpy), "device" (return a new
+        DeviceArray) or a DeviceArray (m, n) float16 to write and return. One submission per call."""
+        x = _check_x(x, self.k, self.device)
         m = x.shape[0]
+        target = resolve_out(out, self.device, (m, self.n), np.float16)
         if m == 0:
-            return np.zeros((0, self.n), np.float16)
+            return np.zeros((0, self.n), np.float16) if target is None else target
+        xb, yb, rec = self._call_buffers(m)
+        copies_in = copies_out = ()
+        if isinstance(x, DeviceArray):
+            copies_in = [(x.buffer, xb, x.nbytes)]
+        else:
+            xb.upload(x)
+        if target is not None:
+            copies_out = [(yb, target.buffer, target.nbytes)]
+        self._transfers.submit(rec, copies_in, copies_out)
+        self.last_gpu_ms = rec.elapsed_ms()
+        return yb.download(np.float16, (m, self.n)) if target is None else target
+
+    def _call_buffers(self, m):
+        """(x, y, recorder) of __call__ for m rows: x where the host writes and the device reads it, y where the
+        device writes and the host reads it (no staging copies), the forward recorded once."""
         if m not in self._io:
             mem = self.device.memory
-            xb, yb = mem.allocate(m * self.k * 2), mem.allocate(m * self.n * 2)
+            xb, yb = mem.allocate(m * self.k * 2, kind="upload"), mem.allocate(m * self.n * 2, kind="readback")
+            self._owned += [xb, yb]
             rec = CommandRecorder(self.device, timestamps=2)
             rec.begin()
             rec.timestamp()
             self.record(rec, xb, yb, m)
             rec.timestamp()
+            rec.host_barrier()
             rec.end()
             self._io[m] = (xb, yb, rec)
-            self._owned += [xb, yb]
-        xb, yb, rec = self._io[m]
-        xb.upload(x)
-        rec.submit(wait=True)
-        self.last_gpu_ms = rec.elapsed_ms()
-        return yb.download(np.float16, (m, self.n))
+        return self._io[m]
 
     def dequantize(self):
         """The decoded (k, n) fp16 matrix Ŵ, computed by the GPU decoder (no scales applied)."""
@@ -136,6 +155,7 @@ class Exl3Linear:
         return bits.astype(np.uint16).view(np.float16)
 
     def close(self):
+        self._transfers.close()
         _release_linear(self._io, self._scratch, self._owned)
 
     def __enter__(self):

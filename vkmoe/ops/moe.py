@@ -19,10 +19,12 @@ from ..sched.plan import decide, persistent_plan
 from ..exl3.reference import check_op_routing
 from ..vk import CommandRecorder, PushConstants
 from . import kernels
+from .device_array import CallTransfers, DeviceArray, resolve_out
 from .plan import moe_plan
 
 DISPATCH_MODES = ("auto", "persistent", "split")
 POISON_F32 = 0x7FC00000  # a quiet NaN: an output element the kernels forget to write shows up in every test
+STATUS_BYTES = 16       # after the (m, H) output in the readback buffer: the persistent launch's abort word
 
 
 class MoePush(PushConstants):
@@ -98,6 +100,7 @@ class _Scratch:
         self.buffers = device.memory.allocate_all([size[k] for k in ("route", "states", "inter", "partial", "rows",
                                                                       "sync")])
         self.route, self.states, self.inter, self.partial, self.rows, self.sync = self.buffers
+        self.last_status = 0  # the abort word the last submitted persistent launch left (read with its output)
         self.reset_sync()
 
     def reset_sync(self):
@@ -123,6 +126,7 @@ class _SplitPath:
     """The three split dispatches: always safe, nothing to check after the submission."""
     mode = "split"
     key = "split"
+    reads_status = False
 
     def __init__(self, moe):
         self._moe = moe
@@ -137,6 +141,7 @@ class _SplitPath:
 class _PersistentPath:
     """One persistent dispatch of launch plan `pplan`; after the submission, `check` reads the abort code."""
     mode = "persistent"
+    reads_status = True  # the abort word is copied behind the output in the same submission
 
     def __init__(self, moe, pplan):
         self._moe, self.pplan = moe, pplan
@@ -146,7 +151,7 @@ class _PersistentPath:
         self._moe._record_persistent(cmd, scratch, buffers, self.pplan)
 
     def check(self, scratch):
-        return scratch.abort_code()
+        return scratch.last_status
 
 
 def _run_report(mode, requested, reason, fallback, plan, pplan, gpu_ms, wall_ms):
@@ -248,6 +253,8 @@ class Exl3MoeMlp:
         self._io = {}
         self._recorded = {}
         self._call_lock = threading.Lock()
+        self._transfers = CallTransfers(device)      # DeviceArray copies riding on a call's one submission
+        self._call_options = threading.local()      # per call: the DeviceArray the output goes to, if any
         self.last_run = None
         # A layer dropped without close() still frees its device memory (not at interpreter exit: by then the
         # process gives everything back anyway).
@@ -359,7 +366,9 @@ class Exl3MoeMlp:
 
     # ------------------------------------------------------------------------------------------ validation
     def _check_inputs(self, hidden, expert_ids, expert_weights):
-        if not isinstance(hidden, np.ndarray) or hidden.ndim != 2 or hidden.shape[1] != self.H:
+        if isinstance(hidden, DeviceArray):
+            hidden.check("hidden", self.device, (None, self.H), np.float16)
+        elif not isinstance(hidden, np.ndarray) or hidden.ndim != 2 or hidden.shape[1] != self.H:
             raise ValueError(f"hidden must be a numpy array of shape (m, {self.H}), got "
                              f"{getattr(hidden, 'shape', type(hidden).__name__)}")
         if hidden.dtype != np.float16:
@@ -383,9 +392,23 @@ class Exl3MoeMlp:
         return m, top_k
 
     # -------------------------------------------------------------------------------------------- forward
-    def __call__(self, hidden, expert_ids, expert_weights, dispatch=None):
+    def __call__(self, hidden, expert_ids, expert_weights, dispatch=None, out=None):
+        """hidden: (m, H) float16, numpy or DeviceArray. out: None (return numpy), "device" (return a new
+        DeviceArray) or a DeviceArray (m, H) float32 to write and return."""
         self._check_inputs(hidden, expert_ids, expert_weights)
-        return self._forward(hidden, expert_ids, expert_weights, dispatch)
+        target = resolve_out(out, self.device, (hidden.shape[0], self.H), np.float32)
+        if target is None:
+            return self._forward(hidden, expert_ids, expert_weights, dispatch)
+        self._call_options.out = target  # read by _run, below run_forward's mode decision
+        try:
+            self._forward(hidden, expert_ids, expert_weights, dispatch)
+        except BaseException:
+            if target is not out:
+                target.close()
+            raise
+        finally:
+            self._call_options.out = None
+        return target
 
     def _forward(self, hidden, ids, weights, dispatch):
         """Run checked inputs (ids outside [0, E) are skipped on the device) in the resolved dispatch mode."""
@@ -394,7 +417,8 @@ class Exl3MoeMlp:
         if m == 0:
             self.last_run = _run_report("none", mode, "m = 0: nothing to run", None, None, None, 0.0, 0.0)
             return np.zeros((0, self.H), np.float32)
-        return self._launch(mode, np.ascontiguousarray(hidden), np.ascontiguousarray(ids, np.int32),
+        hidden = hidden if isinstance(hidden, DeviceArray) else np.ascontiguousarray(hidden)
+        return self._launch(mode, hidden, np.ascontiguousarray(ids, np.int32),
                             np.ascontiguousarray(weights, np.float32), m, top_k)
 
     def _launch(self, requested, hidden, ids, weights, m, top_k):
@@ -421,17 +445,25 @@ class Exl3MoeMlp:
         return result.out
 
     def _io_for(self, m, top_k):
+        """(hidden, ids, weights, out) buffers of a batch shape: the inputs where the host writes and the device
+        reads them, the output (+ STATUS_BYTES) where the device writes and the host reads it, so a call needs
+        no staging copies (vkmoe/vk/memory.py: "upload" and "readback" memory)."""
         key = (m, top_k)
         if key not in self._io:
             self._io[key] = tuple(self.device.memory.allocate_all(
-                [m * self.H * 2, m * top_k * 4, m * top_k * 4, m * self.H * 4]))
+                [m * self.H * 2, m * top_k * 4, m * top_k * 4, m * self.H * 4 + STATUS_BYTES],
+                kinds=["upload", "upload", "upload", "readback"]))
         return self._io[key]
 
-    def _run(self, hidden, ids, weights, m, top_k, key, record_body):
-        """Upload, submit the command buffer recorded for (m, top_k, key) (recorded on first use, output
-        poisoned with NaN first), wait; returns (out, gpu_ms, scratch)."""
+    def _run(self, hidden, ids, weights, m, top_k, key, record_body, status=False):
+        """Write the inputs, submit the command buffer recorded for (m, top_k, key) ONCE, wait; returns
+        (out, gpu_ms, scratch, abort word). Recorded on first use: the output poisoned with NaN first (an element
+        no stage writes stays NaN), with status=True the sync area's abort word copied behind the output.
+        hidden may be a DeviceArray, and the output may go to the DeviceArray of _call_options.out (then out
+        is None): their copies are recorded per call and ride on the same submission (CallTransfers)."""
         hb, ib, wb, ob = self._io_for(m, top_k)
         scratch = self._scratch_for(m, top_k)
+        out_bytes = m * self.H * 4
         rec = self._recorded.get((m, top_k, key))
         if rec is None:
             rec = CommandRecorder(self.device, timestamps=2)
@@ -441,19 +473,32 @@ class Exl3MoeMlp:
             rec.timestamp()
             record_body(rec, scratch, self._bindings(scratch, hb, ib, wb, ob))
             rec.timestamp()
+            if status:  # record_body ended with a barrier: the kernel's abort word is final
+                rec.copy(scratch.sync, ob, 4, dst_offset=out_bytes)
+            rec.host_barrier()
             rec.end()
             self._recorded[(m, top_k, key)] = rec
+        target = getattr(self._call_options, "out", None)
         with self._call_lock:  # one forward at a time per layer: the io and scratch buffers are per layer
-            hb.upload(hidden)
+            copies_in = copies_out = ()
+            if isinstance(hidden, DeviceArray):
+                copies_in = [(hidden.buffer, hb, m * self.H * 2)]
+            else:
+                hb.upload(hidden)
             ib.upload(ids)
             wb.upload(weights)
-            rec.submit(wait=True)
+            if target is not None:
+                copies_out = [(ob, target.buffer, out_bytes)]
+            self._transfers.submit(rec, copies_in, copies_out)
             gpu_ms = rec.elapsed_ms()
-            out = ob.download(np.float32, (m, self.H))
-        return out, gpu_ms, scratch
+            out = ob.download(np.float32, (m, self.H)) if target is None else None
+            abort = int(ob.download(np.uint32, (1,), offset=out_bytes)[0]) if status else 0
+        return out, gpu_ms, scratch, abort
 
     def _run_path(self, path, hidden, ids, weights, m, top_k):
-        out, gpu_ms, scratch = self._run(hidden, ids, weights, m, top_k, path.key, path.record)
+        out, gpu_ms, scratch, status = self._run(hidden, ids, weights, m, top_k, path.key, path.record,
+                                                 status=path.reads_status)
+        scratch.last_status = status
         return RunResult(out, gpu_ms, path.check(scratch))
 
     def run_split(self, hidden, ids, weights, m, top_k):
@@ -514,6 +559,7 @@ class Exl3MoeMlp:
         return self._forward(hidden, ids, weights, dispatch)
 
     def close(self):
+        self._transfers.close()
         _release_layer(*self._resources)
 
     def __enter__(self):

@@ -8,6 +8,8 @@ The device key is `device.identity` plus the compute-unit count and where it cam
 co-resident count follows LP_NUM_THREADS, which is read at device creation and is not part of the identity: a
 result measured with 3 worker threads must never plan a grid for a process running 2.
 """
+import copy
+import os
 import threading
 import time
 
@@ -38,16 +40,35 @@ def variant_key(variant):
     return f"wg{int(wg)}-smem{int(smem)}"
 
 
-def _load():
+def _load(fresh=False):
     """The cache as {device key: {entry key: entry}}; device entries that are not objects are dropped (with a
-    warning), what this process could not write is laid over the file."""
-    data = read_json(FILENAME)
+    warning), what this process could not write is laid over the file. `fresh`: read the file now and return
+    data the caller may modify (stores); else the memoized file, read only (lookups copy what they return)."""
+    data = dict(read_json(FILENAME) if fresh else _read_file())
     for key in [k for k, v in data.items() if not isinstance(v, dict)]:
         warn(f"ignoring the residency cache entry {key!r}: expected an object, found {type(data[key]).__name__}")
         del data[key]
     for key, entries in _unsaved.items():
-        data.setdefault(key, {}).update(entries)
+        data[key] = {**data.get(key, {}), **entries}
     return data
+
+
+_memo = {}  # path -> ((inode, mtime_ns, size), parsed file)
+
+
+def _read_file():
+    """The cache file parsed, re-read only when its stat changes (a store by this or another process): auto mode
+    looks the cache up on every MoE call, so no file reads there. Shared: callers must not modify it."""
+    path = cache_path()
+    try:
+        st = os.stat(path)
+    except OSError:
+        return {}
+    stamp = (st.st_ino, st.st_mtime_ns, st.st_size)  # write_json replaces the file: a new inode each time
+    hit = _memo.get(path)
+    if hit is None or hit[0] != stamp:
+        hit = _memo[path] = (stamp, read_json(FILENAME))
+    return hit[1]
 
 
 def _save(data, key):
@@ -89,7 +110,7 @@ def lookup(device, variant):
         warn(f"ignoring the residency cache entry {vkey} of {device.name}: {problem} (run tools/probe_residency "
              "to measure it again)")
         return None
-    return entry
+    return copy.deepcopy(entry)
 
 
 def entry_from_report(report, variant_report):
@@ -116,7 +137,7 @@ def store(device, report):
     """Write every variant of a probe report; returns the cache file's path."""
     key = device_key(device)
     with _lock:
-        data = _load()
+        data = _load(fresh=True)
         entries = data.setdefault(key, {})
         for v in report["variants"]:
             entries[variant_key(v)] = entry_from_report(report, v)
@@ -132,7 +153,7 @@ def store_crossover(device, shape, max_m, evidence):
     (written by `tools/bench_moe --store-crossover`; read by auto mode). max_m = 0: it never won."""
     key = device_key(device)
     with _lock:
-        data = _load()
+        data = _load(fresh=True)
         entries = data.setdefault(key, {})
         entry = entries.get(CROSSOVER_KEY)
         if not isinstance(entry, dict) or entry.get("format") != FORMAT or not isinstance(entry.get("shapes"), dict):
@@ -156,4 +177,4 @@ def lookup_crossover(device):
     good = {k: v for k, v in shapes.items() if isinstance(v, dict) and _is_count(v.get("max_m"))}
     if len(good) != len(shapes):
         warn(f"ignoring malformed crossover entries of {device.name}: {sorted(set(shapes) - set(good))}")
-    return good
+    return copy.deepcopy(good)

@@ -3,6 +3,13 @@
 A layer has thousands of small tensors; one vkAllocateMemory per tensor would hit the driver's allocation
 limit and cost time, so memory comes in blocks of BLOCK_BYTES, each with ONE VkBuffer spanning it, and a
 vkmoe Buffer is an (offset, size) range of a block, bound to descriptors with that offset and range.
+
+Four kinds of memory (`Buffer.kind`): "device" (weights and scratch: the largest device-local heap), "host"
+(host-visible, preferably cached), and the two an op's per-call inputs and outputs live in, so that a call
+needs no staging copy and no submission of its own: "upload" (the host writes, the device reads: device-local
+AND host-visible where the device offers it, e.g. a discrete GPU's BAR / resizable-BAR heap, else host
+memory the shaders read directly) and "readback" (the device writes, the host reads: host-visible, cached
+where possible, because reading device-local memory through the BAR from the CPU is slow).
 """
 import threading
 
@@ -14,6 +21,10 @@ from .errors import VkmoeError, call, check
 ffi = vk.ffi
 
 BLOCK_BYTES = 64 << 20
+# Per-call input/output buffers are small, and a discrete GPU's device-local host-visible heap may be only
+# 256 MiB (no resizable BAR): blocks of this kind are smaller.
+IO_BLOCK_BYTES = 4 << 20
+KINDS = ("device", "host", "upload", "readback")
 _USAGE = (vk.VK_BUFFER_USAGE_STORAGE_BUFFER_BIT | vk.VK_BUFFER_USAGE_TRANSFER_SRC_BIT
           | vk.VK_BUFFER_USAGE_TRANSFER_DST_BIT)
 _HOST = vk.VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT | vk.VK_MEMORY_PROPERTY_HOST_COHERENT_BIT
@@ -96,12 +107,13 @@ class Buffer:
     as on lavapipe; else through a staging buffer and a transfer command).
     """
 
-    def __init__(self, manager, block, offset, size, host_visible):
+    def __init__(self, manager, block, offset, size, kind):
         self._manager = manager
         self.block = block
         self.offset = offset
         self.size = size
-        self.host_visible = host_visible
+        self.kind = kind
+        self.host_visible = kind == "host"  # allocate(host_visible=True)
         self._closed = False
 
     @property
@@ -111,6 +123,15 @@ class Buffer:
     @property
     def device(self):
         return self._manager.device
+
+    @property
+    def closed(self):
+        return self._closed
+
+    @property
+    def mapped(self):
+        """Whether the host can read and write this buffer directly (array(), upload/download with no copy)."""
+        return self.block.pointer is not None
 
     def _check_open(self):
         if self._closed:
@@ -167,8 +188,7 @@ class Buffer:
         self.close()
 
     def __repr__(self):
-        kind = "host" if self.host_visible else "device"
-        return f"<vkmoe.Buffer {self.size} B {kind} @ {self.offset}>"
+        return f"<vkmoe.Buffer {self.size} B {self.kind} @ {self.offset}>"
 
 
 class MemoryManager:
@@ -177,7 +197,7 @@ class MemoryManager:
     def __init__(self, device):
         self.device = device
         self._lock = threading.Lock()
-        self._blocks = {False: [], True: []}
+        self._blocks = {kind: [] for kind in KINDS}
         props = vk.vkGetPhysicalDeviceMemoryProperties(device.physical)
         types = [(i, props.memoryTypes[i].propertyFlags, props.memoryTypes[i].heapIndex)
                  for i in range(props.memoryTypeCount)]
@@ -196,13 +216,23 @@ class MemoryManager:
         self.device_mappable = bool((local or host)[0][1] & vk.VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT) and bool(
             (local or host)[0][1] & vk.VK_MEMORY_PROPERTY_HOST_COHERENT_BIT)
         self.host_type = host[0][0]
+        # Upload memory: device-local and host-visible (a discrete GPU's BAR heap, where shader reads stay on
+        # the device); uncached is fine, the host only writes it. Else plain host memory.
+        bar = [t for t in local if (t[1] & _HOST) == _HOST]
+        self.upload_type = bar[0][0] if bar else self.host_type
+        self._types = {"device": self.device_type, "host": self.host_type, "upload": self.upload_type,
+                       "readback": self.host_type}
         limits = device.limits
         self.alignment = max(256, limits.minStorageBufferOffsetAlignment)
         self.max_range = limits.maxStorageBufferRange
         self._staging = None
         self._transfer = None
 
-    def allocate(self, nbytes, host_visible=False):
+    def allocate(self, nbytes, host_visible=False, kind=None):
+        """A buffer of `nbytes`: device memory, host memory with host_visible=True, or one of KINDS."""
+        kind = ("host" if host_visible else "device") if kind is None else kind
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
         nbytes = int(nbytes)
         if nbytes <= 0:
             raise ValueError(f"buffer size must be positive, got {nbytes}")
@@ -210,31 +240,41 @@ class MemoryManager:
             raise ValueError(f"buffer of {nbytes} bytes exceeds this device's maxStorageBufferRange "
                              f"({self.max_range} bytes); split the data")
         size = -(-nbytes // 16) * 16
-        mapped = host_visible or self.device_mappable
+        mapped = kind != "device" or self.device_mappable
         with self.device.use(), self._lock:
-            blocks = self._blocks[host_visible]
+            blocks = self._blocks[kind]
             for block in blocks:
                 offset = block.allocate(size, self.alignment)
                 if offset is not None:
-                    return Buffer(self, block, offset, nbytes, host_visible)
-            memory_type = self.host_type if host_visible else self.device_type
-            block = _Block(self, max(BLOCK_BYTES, size), memory_type, mapped)
+                    return Buffer(self, block, offset, nbytes, kind)
+            block_bytes = IO_BLOCK_BYTES if kind in ("upload", "readback") else BLOCK_BYTES
+            try:
+                block = _Block(self, max(block_bytes, size), self._types[kind], mapped)
+            except VkmoeError:
+                if kind != "upload" or self.upload_type == self.host_type:
+                    raise
+                # The device-local host-visible heap is small and may be full: host memory serves as well.
+                kind = "readback"
+                blocks = self._blocks[kind]
+                block = _Block(self, max(block_bytes, size), self._types[kind], mapped)
             blocks.append(block)
             offset = block.allocate(size, self.alignment)
-            return Buffer(self, block, offset, nbytes, host_visible)
+            return Buffer(self, block, offset, nbytes, kind)
 
-    def allocate_all(self, sizes):
-        """Buffers of the given byte sizes, all or none: every size is checked before anything is allocated,
-        and a failure part-way closes what was already allocated (a rejected call must not leak)."""
+    def allocate_all(self, sizes, kinds=None):
+        """Buffers of the given byte sizes (and KINDS, default device memory), all or none: every size is checked
+        before anything is allocated, and a failure part-way closes what was already allocated (a rejected call
+        must not leak)."""
         sizes = [int(n) for n in sizes]
+        kinds = list(kinds) if kinds is not None else ["device"] * len(sizes)
         for n in sizes:
             if not 0 < n <= self.max_range:
                 raise ValueError(f"buffer of {n} bytes: expected 1 .. {self.max_range} bytes (this device's "
                                  "maxStorageBufferRange); split the data or the batch")
         done = []
         try:
-            for n in sizes:
-                done.append(self.allocate(n))
+            for n, kind in zip(sizes, kinds):
+                done.append(self.allocate(n, kind=kind))
         except BaseException:
             for b in done:
                 b.close()
@@ -245,7 +285,7 @@ class MemoryManager:
         size = -(-buf.size // 16) * 16
         with self._lock:
             buf.block.release(buf.offset, size)
-            blocks = self._blocks[buf.host_visible]
+            blocks = self._blocks[buf.kind]
             # Keep one empty block per kind for reuse; give the others back to the driver.
             if buf.block.empty and sum(b.empty for b in blocks) > 1:
                 blocks.remove(buf.block)

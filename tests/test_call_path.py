@@ -1,0 +1,362 @@
+"""The per-call path of Exl3MoeMlp and Exl3Linear (issue 18 items 1 and 2): ONE submission per call, also where
+device memory is not host-visible (a discrete GPU; simulated here on lavapipe), DeviceArrays in and out of the
+ops with results bit-identical to the numpy path, clear errors for bad DeviceArrays, the NaN poison of the output
+kept, the fence wait that spins before it sleeps, and the residency cache read once into memory."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+import vkmoe
+from goldens import golden_files, load_layer, rel_rms
+from test_linear import make_tensor, make_x
+from vkmoe.ops.device_array import DeviceArray
+from vkmoe.sched import residency
+from vkmoe.vk import commands
+
+GOLDEN_TOL = 3e-3
+TINY = next(p for p in golden_files() if p.endswith("a_tiny_silu_k4.npz"))  # H 256, I 128, 8 experts, top-2
+
+
+@pytest.fixture(scope="module")
+def layer():
+    return load_layer(TINY)
+
+
+@pytest.fixture(scope="module")
+def ops(device, layer):
+    """(moe, linear H -> H, linear H -> H) on the session device."""
+    L = layer
+    made = (vkmoe.Exl3MoeMlp(device, L.gate, L.up, L.down, activation="silu", dispatch="split"),
+            vkmoe.Exl3Linear(device, make_tensor(L.hidden_size, L.hidden_size, 4, "mul1", seed=3)),
+            vkmoe.Exl3Linear(device, make_tensor(L.hidden_size, L.hidden_size, 3, "mul1", seed=4)))
+    yield made
+    for op in made:
+        op.close()
+
+
+@pytest.fixture(scope="module")
+def discrete(layer):
+    """A device whose device-local memory the host cannot map (as on a discrete GPU): data reaches such
+    memory only through staging copies, each a submission of its own before issue 18."""
+    dev = vkmoe.Device()
+    dev.memory.device_mappable = False  # before anything is allocated: every device block is unmapped
+    L = layer
+    moe = vkmoe.Exl3MoeMlp(dev, L.gate, L.up, L.down, activation="silu", dispatch="split")
+    lin = vkmoe.Exl3Linear(dev, make_tensor(L.hidden_size, L.hidden_size, 4, "mul1", seed=3))
+    yield dev, moe, lin
+    moe.close(), lin.close()
+    assert not dev.take_validation_messages()
+    dev.close()
+
+
+def _submissions(fn):
+    before = commands.submission_count()
+    result = fn()
+    return commands.submission_count() - before, result
+
+
+# ------------------------------------------------------------------------------------ one submission
+def test_one_submission_per_call_with_unmappable_device_memory(discrete, device, ops, layer):
+    dev, moe, lin = discrete
+    assert not moe._down.trellis.mapped, "the simulation needs device memory the host cannot map"
+    call = layer.calls[0]
+    x, ids, w = call["x"], call["selected"], call["weights"]
+    moe(x, ids, w), lin(x)  # first calls record the command buffers (and upload nothing else)
+    for _ in range(3):
+        n, y = _submissions(lambda: moe(x, ids, w))
+        assert n == 1, f"Exl3MoeMlp.__call__ made {n} submissions"
+        n, z = _submissions(lambda: lin(x))
+        assert n == 1, f"Exl3Linear.__call__ made {n} submissions"
+    # Same kernels, same inputs: bit-identical to the session device, where device memory is host-visible.
+    assert np.array_equal(y, ops[0](x, ids, w)) and np.isfinite(y).all()
+    assert np.array_equal(z, ops[1](x)) and np.isfinite(z).all()
+    assert rel_rms(y, call["ref_out"]) < GOLDEN_TOL
+
+
+def test_device_arrays_one_submission_with_unmappable_device_memory(discrete):
+    dev, moe, lin = discrete
+    x = make_x(3, moe.H, seed=5)
+    ids = np.array([[0, 1], [2, 7], [5, 3]], np.int32)
+    w = np.full((3, 2), 0.5, np.float32)
+    expect = moe(lin(x), ids, w)
+    with DeviceArray.from_numpy(dev, x) as xd:
+        lin(xd, out="device"), moe(lin(x), ids, w)  # record the copies' buffers once
+        n, h = _submissions(lambda: lin(xd, out="device"))
+        assert n == 1
+        n, y = _submissions(lambda: moe(h, ids, w, out="device"))
+        assert n == 1
+        assert np.array_equal(y.numpy(), expect)
+        h.close(), y.close()
+
+
+def test_persistent_call_is_one_submission(device, layer):
+    """The persistent path reads its abort word back in the same submission as the output."""
+    L = layer
+    call = L.calls[0]
+    with vkmoe.Exl3MoeMlp(device, L.gate, L.up, L.down, activation="silu", dispatch="persistent") as moe:
+        moe(call["x"], call["selected"], call["weights"])
+        if moe.last_run["mode"] != "persistent":
+            pytest.skip(f"persistent mode not possible here: {moe.last_run['fallback_reason']}")
+        n, y = _submissions(lambda: moe(call["x"], call["selected"], call["weights"]))
+        assert moe.last_run["mode"] == "persistent" and moe.last_run["fallback_reason"] is None
+    assert n == 1
+    assert rel_rms(y, call["ref_out"]) < GOLDEN_TOL
+
+
+# ------------------------------------------------------------------------------------ device arrays
+def test_device_arrays_between_ops_match_numpy(device, ops, layer):
+    moe, lin1, lin2 = ops
+    for call in layer.calls:
+        x, ids, w = call["x"], call["selected"], call["weights"]
+        expect_moe = moe(lin2(lin1(x)), ids, w)
+        with DeviceArray.from_numpy(device, x) as xd:
+            h1 = lin1(xd, out="device")
+            h2 = lin2(h1, out="device")
+            y = moe(h2, ids, w, out="device")
+            assert isinstance(y, DeviceArray) and y.shape == (x.shape[0], moe.H) and y.dtype == np.float32
+            assert np.array_equal(h2.numpy(), lin2(lin1(x)))
+            got = y.numpy()
+            for arr in (h1, h2, y):
+                arr.close()
+        assert np.isfinite(got).all() and np.array_equal(got, expect_moe)
+
+
+def test_device_array_hidden_matches_golden(device, ops, layer):
+    moe = ops[0]
+    for call in layer.calls:
+        with DeviceArray.from_numpy(device, call["x"]) as xd:
+            y = moe(xd, call["selected"], call["weights"])  # numpy out from a device in
+        assert rel_rms(y, call["ref_out"]) < GOLDEN_TOL
+        assert np.array_equal(y, moe(call["x"], call["selected"], call["weights"]))
+
+
+def test_out_device_array_is_written_and_returned(device, ops, layer):
+    moe, lin1, _ = ops
+    call = layer.calls[0]
+    x, ids, w = call["x"], call["selected"], call["weights"]
+    m = x.shape[0]
+    with DeviceArray.empty(device, (m, moe.H), np.float32) as out, \
+            DeviceArray.empty(device, (m, lin1.n), np.float16) as yl:
+        out.buffer.upload(np.full((m, moe.H), 7.0, np.float32))  # stale contents must be overwritten
+        assert moe(x, ids, w, out=out) is out
+        assert np.array_equal(out.numpy(), moe(x, ids, w))
+        assert lin1(x, out=yl) is yl
+        assert np.array_equal(yl.numpy(), lin1(x))
+
+
+def test_zero_rows_with_device_arrays(device, ops):
+    moe, lin1, _ = ops
+    empty = DeviceArray.empty(device, (0, moe.H), np.float16)
+    y = moe(empty, np.zeros((0, 2), np.int32), np.zeros((0, 2), np.float32), out="device")
+    assert isinstance(y, DeviceArray) and y.shape == (0, moe.H) and y.numpy().shape == (0, moe.H)
+    z = lin1(empty, out="device")
+    assert z.shape == (0, lin1.n) and z.numpy().dtype == np.float16
+
+
+def test_bad_device_arrays(device, ops, layer):
+    moe, lin1, _ = ops
+    call = layer.calls[0]
+    x, ids, w = call["x"], call["selected"], call["weights"]
+    m = x.shape[0]
+    with DeviceArray.from_numpy(device, x.astype(np.float32)) as x32:
+        with pytest.raises(TypeError, match=r"hidden must be float16, got a DeviceArray of float32"):
+            moe(x32, ids, w)
+        with pytest.raises(TypeError, match=r"x must be float16"):
+            lin1(x32)
+    with DeviceArray.from_numpy(device, x[:, :128]) as narrow:
+        with pytest.raises(ValueError, match=r"hidden must have shape \(m, 256\), got a DeviceArray of shape"):
+            moe(narrow, ids, w)
+        with pytest.raises(ValueError, match=r"x must have shape \(m, 256\)"):
+            lin1(narrow)
+    with DeviceArray.from_numpy(device, x[:1]) as short:  # 1 row of hidden, 3 rows of expert_ids
+        with pytest.raises(ValueError, match=r"expert_ids must be a numpy array of shape \(1, top_k\)"):
+            moe(short, ids, w)
+    closed = DeviceArray.from_numpy(device, x)
+    closed.close()
+    with pytest.raises(vkmoe.VkmoeError, match=r"hidden is a closed DeviceArray"):
+        moe(closed, ids, w)
+    with pytest.raises(vkmoe.VkmoeError, match=r"numpy\(\).*closed"):
+        closed.numpy()
+    buf = device.memory.allocate(x.nbytes)
+    wrapped = DeviceArray(buf, x.shape, np.float16)  # not owned: closing the buffer is the caller's business
+    buf.close()
+    with pytest.raises(vkmoe.VkmoeError, match=r"x is a closed DeviceArray"):
+        lin1(wrapped)
+    for bad_out, err, msg in (("host", ValueError, r"out must be None, 'device' or a vkmoe DeviceArray, got 'host'"),
+                              (np.zeros((m, moe.H), np.float32), TypeError, r"out must be .* got ndarray")):
+        with pytest.raises(err, match=msg):
+            moe(x, ids, w, out=bad_out)
+    with DeviceArray.empty(device, (m, moe.H), np.float16) as wrong_dtype:
+        with pytest.raises(TypeError, match=r"out must be float32, got a DeviceArray of float16"):
+            moe(x, ids, w, out=wrong_dtype)
+    with DeviceArray.empty(device, (m + 1, moe.H), np.float32) as wrong_rows:
+        with pytest.raises(ValueError, match=r"out must have shape \(3, 256\)"):
+            moe(x, ids, w, out=wrong_rows)
+    with device.memory.allocate(16) as small, pytest.raises(ValueError, match=r"needs 2048 bytes; the buffer holds 16"):
+        DeviceArray(small, (4, 256), np.float16)
+    with pytest.raises(TypeError, match=r"array must be a numpy array"):
+        DeviceArray.from_numpy(device, [1, 2])
+
+
+def test_device_array_of_another_device(discrete, ops, layer):
+    other, _, _ = discrete
+    moe, lin1, _ = ops
+    call = layer.calls[0]
+    with DeviceArray.from_numpy(other, call["x"]) as foreign:
+        with pytest.raises(ValueError, match=r"hidden is a DeviceArray on .*; this op runs on"):
+            moe(foreign, call["selected"], call["weights"])
+        with pytest.raises(ValueError, match=r"x is a DeviceArray on"):
+            lin1(foreign)
+    with DeviceArray.empty(other, (call["x"].shape[0], moe.H), np.float32) as foreign_out:
+        with pytest.raises(ValueError, match=r"out is a DeviceArray on"):
+            moe(call["x"], call["selected"], call["weights"], out=foreign_out)
+
+
+def test_device_array_after_its_device_closed(layer):
+    dev = vkmoe.Device()
+    arr = DeviceArray.from_numpy(dev, layer.calls[0]["x"])
+    dev.close()
+    assert arr.closed
+    with pytest.raises(vkmoe.VkmoeError, match=r"closed"):
+        arr.numpy()
+    arr.close()  # nothing left to free; must not touch the destroyed device
+
+
+# ------------------------------------------------------------------------------------ poison kept
+@pytest.mark.parametrize("to_device", [False, True], ids=["numpy-out", "device-out"])
+def test_unwritten_output_is_nan(device, ops, layer, to_device):
+    """A forward that writes nothing leaves the output NaN, also after a real call filled the buffer."""
+    moe = ops[0]
+    call = layer.calls[0]
+    x, ids, w = call["x"], call["selected"].astype(np.int32), call["weights"].astype(np.float32)
+    m, top_k = ids.shape
+    assert np.isfinite(moe(x, ids, w)).all()  # the output buffer now holds real values
+    target = DeviceArray.empty(device, (m, moe.H), np.float32) if to_device else None
+    moe._call_options.out = target
+    try:
+        out, _, _, _ = moe._run(x, ids, w, m, top_k, "writes-nothing", lambda rec, scratch, buffers: rec.barrier())
+    finally:
+        moe._call_options.out = None
+    if to_device:
+        assert out is None
+        out = target.numpy()
+        target.close()
+    assert out.shape == (m, moe.H) and np.isnan(out).all()
+
+
+# ------------------------------------------------------------------------------------ fence wait
+@pytest.mark.parametrize("spin_s", [1.0, 1e-6], ids=["spin-catches-it", "spin-then-sleep"])
+def test_wait_spins_then_sleeps(device, ops, spin_s):
+    """Both ends of the wait: the fence seen signalled while spinning, and a spin too short for the work."""
+    lin = ops[1]
+    x = make_x(16, lin.k, seed=8)
+    expect = lin(x)
+    _, _, rec = lin._call_buffers(16)
+    old = rec.spin_s
+    rec.spin_s = spin_s
+    try:
+        for _ in range(2):
+            assert np.array_equal(lin(x), expect)
+            assert not rec.pending
+    finally:
+        rec.spin_s = old
+
+
+def test_submit_riders_must_be_recorded(device):
+    with vkmoe.CommandRecorder(device) as rec, vkmoe.CommandRecorder(device) as unrecorded:
+        rec.begin()
+        rec.end()
+        with pytest.raises(vkmoe.VkmoeError, match=r"recorded CommandRecorders of the same device"):
+            rec.submit(before=[unrecorded])
+
+
+# ------------------------------------------------------------------------------------ no file reads per call
+def test_residency_cache_read_once(device, tmp_path, monkeypatch):
+    monkeypatch.setenv("VKMOE_CACHE_DIR", str(tmp_path))
+    reads = []
+    real_load = residency._load
+    monkeypatch.setattr(residency, "_load", lambda: reads.append(1) or real_load())
+    assert residency.lookup_crossover(device) == {}
+    residency.store_crossover(device, "tiny", 4, "test")
+    reads.clear()
+    for _ in range(5):
+        assert residency.lookup_crossover(device)["tiny"]["max_m"] == 4
+    assert len(reads) == 1, f"the cache file was read {len(reads)} times for 5 lookups"
+    residency.lookup_crossover(device)["tiny"]["max_m"] = 99  # a caller's copy: the cache is unchanged
+    assert residency.lookup_crossover(device)["tiny"]["max_m"] == 4
+    # Another process rewrites the file: the next lookup sees it.
+    path = residency.cache_path()
+    with open(path) as f:
+        data = json.load(f)
+    data[residency.device_key(device)][residency.CROSSOVER_KEY]["shapes"]["tiny"]["max_m"] = 16
+    with open(path + ".new", "w") as f:
+        json.dump(data, f)
+    os.replace(path + ".new", path)
+    assert residency.lookup_crossover(device)["tiny"]["max_m"] == 16
+
+
+# ------------------------------------------------------------------------------------ SparseMoeBlock
+@pytest.fixture(scope="module")
+def blocks(device, tmp_path_factory):
+    """(qwen3 block without shared experts, deepseek block with one) on the session device."""
+    from test_models import DEEPSEEK, QWEN
+    from vkmoe.models import SparseMoeBlock, write_checkpoint
+
+    made = []
+    for name, spec in (("qwen3_moe", QWEN), ("deepseek_v3", DEEPSEEK)):
+        path = write_checkpoint(str(tmp_path_factory.mktemp(name)), **spec)
+        made.append(SparseMoeBlock.from_checkpoint(path, 0, backend="vulkan", device=device))
+    yield made
+    for block in made:
+        block.moe.close()
+        for op in (block.shared_ops or {}).values():
+            op.close()
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_block_takes_and_returns_device_arrays(device, blocks, dtype):
+    for block in blocks:
+        hidden = make_x(4, block.config.hidden_size, seed=12).astype(dtype)
+        expect = block(hidden)
+        assert np.isfinite(expect).all()
+        with DeviceArray.from_numpy(device, hidden) as xd:
+            assert np.array_equal(block(xd), expect)
+            y = block(xd, out="device")
+            assert isinstance(y, DeviceArray) and y.dtype == np.float32
+            assert np.array_equal(y.numpy(), expect), block
+            y.close()
+        with DeviceArray.empty(device, hidden.shape, np.float32) as out:
+            assert block(hidden, out=out) is out and np.array_equal(out.numpy(), expect)
+
+
+def test_block_bad_device_arrays(device, blocks, discrete, layer):
+    block = blocks[0]
+    other = discrete[0]
+    x = make_x(2, block.config.hidden_size, seed=13)
+    with DeviceArray.from_numpy(other, x) as foreign:
+        with pytest.raises(ValueError, match=r"hidden is a DeviceArray on"):
+            block(foreign)
+    with DeviceArray.from_numpy(device, x[:, :128]) as narrow:
+        with pytest.raises(ValueError, match=r"hidden must have shape \(m, 256\)"):
+            block(narrow)
+    with pytest.raises(ValueError, match=r"out must be None, 'device' or a vkmoe DeviceArray"):
+        block(x, out="gpu")
+    with DeviceArray.empty(device, (3, block.config.hidden_size), np.float32) as wrong_rows:
+        with pytest.raises(ValueError, match=r"out must have shape \(2, 256\)"):
+            block(x, out=wrong_rows)
+
+
+def test_block_on_cpu_backend_refuses_device_arrays(device, tmp_path):
+    from test_models import QWEN
+    from vkmoe.models import SparseMoeBlock, write_checkpoint
+
+    block = SparseMoeBlock.from_checkpoint(write_checkpoint(str(tmp_path), **QWEN), 0, backend="cpu")
+    x = make_x(2, block.config.hidden_size, seed=14)
+    assert np.isfinite(block(x)).all()  # numpy in and out needs no Vulkan layer
+    with DeviceArray.from_numpy(device, x) as xd:
+        with pytest.raises(ValueError, match=r"a DeviceArray hidden needs the vulkan backend; this block runs on 'cpu'"):
+            block(xd)
+    with pytest.raises(ValueError, match=r"out needs the vulkan backend"):
+        block(x, out="device")

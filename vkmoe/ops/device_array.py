@@ -1,0 +1,164 @@
+"""DeviceArray: an array that stays in device memory between ops, and the per-call transfers of an op.
+
+    x = DeviceArray.from_numpy(dev, hidden)          # or the result of an op called with out="device"
+    y = moe(x, ids, weights, out="device")           # no host trip for hidden or the output
+    y.numpy()                                        # fetch when the host needs it
+
+An op that takes or returns DeviceArrays still runs its own recorded command buffer on its own input and output
+buffers: the copies from an input DeviceArray and into the output one are recorded per call into small command
+buffers that go into the SAME vkQueueSubmit as the op's (CallTransfers), so a call stays one submission.
+"""
+import numpy as np
+
+from ..vk import CommandRecorder, VkmoeError
+
+
+class DeviceArray:
+    """A C-ordered array of `shape` and `dtype` in a device buffer of `device`.
+
+    Made by ops called with out="device", by DeviceArray.empty / from_numpy, or around a Buffer of the caller's
+    (DeviceArray(buffer, shape, dtype), not owned: close() then leaves the buffer alone)."""
+
+    def __init__(self, buffer, shape, dtype, owned=False):
+        self.shape = tuple(int(d) for d in shape)
+        self.dtype = np.dtype(dtype)
+        if any(d < 0 for d in self.shape):
+            raise ValueError(f"shape must have non-negative dimensions, got {self.shape}")
+        self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        if self.nbytes and buffer is None:
+            raise ValueError(f"a DeviceArray of shape {self.shape} {self.dtype} needs a buffer")
+        if buffer is not None and buffer.size < self.nbytes:
+            raise ValueError(f"shape {self.shape} of {self.dtype} needs {self.nbytes} bytes; the buffer holds "
+                             f"{buffer.size}")
+        self.buffer = buffer
+        self._device = buffer.device if buffer is not None else None
+        self._owned = owned
+        self._closed = False
+
+    @classmethod
+    def empty(cls, device, shape, dtype):
+        """An uninitialised DeviceArray in device memory (no buffer at all when it has no elements)."""
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        buffer = device.memory.allocate(nbytes) if nbytes else None
+        arr = cls(buffer, shape, dtype, owned=True)
+        arr._device = device
+        return arr
+
+    @classmethod
+    def from_numpy(cls, device, array):
+        """A DeviceArray holding a copy of `array`."""
+        if not isinstance(array, np.ndarray):
+            raise TypeError(f"array must be a numpy array, got {type(array).__name__}")
+        arr = cls.empty(device, array.shape, array.dtype)
+        if arr.nbytes:
+            arr.buffer.upload(np.ascontiguousarray(array))
+        return arr
+
+    @property
+    def device(self):
+        return self._device
+
+    @property
+    def ndim(self):
+        return len(self.shape)
+
+    @property
+    def closed(self):
+        """True once close() ran, the buffer was closed or its device was closed."""
+        if self._closed or self.buffer is None:
+            return self._closed
+        return self.buffer.closed or self._device.closed
+
+    def numpy(self):
+        """A new numpy array with the contents (waits for nothing: ops return after their submission finished)."""
+        self._check_open("numpy()")
+        if not self.nbytes:
+            return np.zeros(self.shape, self.dtype)
+        return self.buffer.download(self.dtype, self.shape)
+
+    def _check_open(self, what):
+        if self.closed:
+            raise VkmoeError(f"{what}: the DeviceArray {self.shape} {self.dtype} is closed (its buffer or its "
+                             "device was closed)")
+
+    def check(self, name, device, shape, dtype):
+        """Raise a clear error unless this array is open, lives on `device` and has `dtype` and `shape`
+        (None in `shape` matches any size). Returns self."""
+        if self.closed:
+            raise VkmoeError(f"{name} is a closed DeviceArray (its buffer or its device was closed)")
+        if self._device is not device:
+            raise ValueError(f"{name} is a DeviceArray on {self._device!r}; this op runs on {device!r}")
+        if self.dtype != np.dtype(dtype):
+            raise TypeError(f"{name} must be {np.dtype(dtype)}, got a DeviceArray of {self.dtype}")
+        if len(self.shape) != len(shape) or any(w is not None and w != d for w, d in zip(shape, self.shape)):
+            want = "(" + ", ".join("m" if w is None else str(w) for w in shape) + ")"
+            raise ValueError(f"{name} must have shape {want}, got a DeviceArray of shape {self.shape}")
+        return self
+
+    def close(self):
+        """Free the buffer if this array owns it (arrays returned by ops do)."""
+        if self._owned and self.buffer is not None and not self.buffer.closed and not self._device.closed:
+            self.buffer.close()  # (a closed device already gave all its memory back)
+        self._closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        state = " closed" if self.closed else ""
+        return f"<vkmoe.DeviceArray {self.shape} {self.dtype}{state}>"
+
+
+def resolve_out(out, device, shape, dtype):
+    """An op's `out` argument: None (return numpy), "device" (a new DeviceArray) or a DeviceArray to fill.
+    Returns None or the DeviceArray the op writes."""
+    if out is None:
+        return None
+    if isinstance(out, str):
+        if out != "device":
+            raise ValueError(f"out must be None, 'device' or a vkmoe DeviceArray, got {out!r}")
+        return DeviceArray.empty(device, shape, dtype)
+    if isinstance(out, DeviceArray):
+        return out.check("out", device, shape, dtype)
+    raise TypeError(f"out must be None, 'device' or a vkmoe DeviceArray, got {type(out).__name__}")
+
+
+class CallTransfers:
+    """The copies of one op call between DeviceArrays and the op's own input/output buffers, recorded into two
+    small command buffers submitted with the op's recorded one: [copies in] [op] [copies out], ONE submission.
+    Submission order spans command buffers, so a barrier closing the copies in and one opening the copies out
+    order them around the op."""
+
+    def __init__(self, device):
+        self.device = device
+        self._before = None
+        self._after = None
+
+    def submit(self, rec, copies_in=(), copies_out=()):
+        """Submit `rec` with the copies (src Buffer, dst Buffer, nbytes) and wait."""
+        before = [self._record("_before", copies_in, barrier_first=False)] if copies_in else []
+        after = [self._record("_after", copies_out, barrier_first=True)] if copies_out else []
+        rec.submit(wait=True, before=before, after=after)
+
+    def _record(self, slot, copies, barrier_first):
+        rec = getattr(self, slot)
+        if rec is None:
+            rec = CommandRecorder(self.device)
+            setattr(self, slot, rec)
+        rec.begin()
+        if barrier_first:
+            rec.barrier()
+        for src, dst, nbytes in copies:
+            rec.copy(src, dst, nbytes)
+        rec.barrier()
+        return rec.end()
+
+    def close(self):
+        for slot in ("_before", "_after"):
+            rec = getattr(self, slot)
+            if rec is not None:
+                rec.close()
+                setattr(self, slot, None)
