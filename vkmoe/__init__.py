@@ -9,7 +9,7 @@ from .vk import (Buffer, CommandRecorder, Device, DeviceSelectionError, Pipeline
 from .exl3 import Exl3Tensor  # noqa: E402  (the format layer has no Vulkan dependency)
 from . import exl3  # noqa: F401
 
-__version__ = "0.1.0"
+from ._version import __version__  # noqa: F401  (the one place: vkmoe/_version.py)
 
 
 def __getattr__(name):
