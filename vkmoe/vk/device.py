@@ -6,7 +6,8 @@ import threading
 
 import vulkan as vk
 
-from .errors import DeviceSelectionError, ValidationError, VkmoeError, call
+from .errors import (VULKAN_INSTALL_HINT, DeviceSelectionError, NoVulkanError, ValidationError, VkmoeError,
+                     VulkanError, call)
 
 ffi = vk.ffi
 log = logging.getLogger("vkmoe")
@@ -91,7 +92,13 @@ class _Instance:
             enabledExtensionCount=len(extensions),
             ppEnabledExtensionNames=extensions or None,
         )
-        self.handle = call("vkCreateInstance", vk.vkCreateInstance, info, None)
+        try:
+            self.handle = call("vkCreateInstance", vk.vkCreateInstance, info, None)
+        except VulkanError as exc:
+            if exc.result != "VkErrorIncompatibleDriver":  # what the loader returns when it found no driver
+                raise
+            raise NoVulkanError(f"the Vulkan loader found no driver (vkCreateInstance: {exc.result}); "
+                                f"{VULKAN_INSTALL_HINT}") from None
         self._messenger = None
         if validation:
             self._install_messenger()
