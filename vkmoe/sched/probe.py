@@ -433,7 +433,7 @@ def probe_residency(device=None, variants=None, progress=True, repeats=5, rounds
 
 def format_report(report):
     """The human-readable report (what `python -m vkmoe probe` prints without --json)."""
-    from ..__main__ import format_info
+    from ..cli import format_info
 
     lines = [format_info(report["device"]), "", "Co-resident workgroups (measured in the kernel):"]
     cu = report["device"].get("compute_units")
