@@ -162,3 +162,28 @@ def test_random_moe_layer_shapes_and_gateless():
 def test_random_helpers_reject_bad_arguments(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+# ------------------------------------------------------------------------------------------ library manners
+def test_cache_dir_from_platformdirs_unless_overridden(tmp_path, monkeypatch):
+    import platformdirs
+
+    from vkmoe.vk.quirks import cache_dir
+
+    monkeypatch.delenv("VKMOE_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == platformdirs.user_cache_dir("vkmoe", appauthor=False) == str(tmp_path / "xdg" / "vkmoe")
+    assert os.path.isdir(cache_dir())
+    monkeypatch.setenv("VKMOE_CACHE_DIR", str(tmp_path / "own"))
+    assert cache_dir() == str(tmp_path / "own") and os.path.isdir(tmp_path / "own")
+
+
+def test_library_calls_print_nothing(tmp_path, capfd):
+    from vkmoe.models import write_checkpoint
+
+    write_checkpoint(str(tmp_path / "ckpt"), hidden=256, intermediate=128, experts=4, top_k=2)
+    gate, up, down = vkmoe.random_moe_layer(256, 128, experts=4, seed=0)
+    ids, w = vkmoe.random_routing(2, 4, 2)
+    vkmoe.cpu.moe_forward(np.ones((2, 256), np.float16), ids, w, gate, up, down)
+    out, err = capfd.readouterr()
+    assert out == "" and err == "", (out, err)

@@ -247,14 +247,15 @@ class _Progress:
 
 def write_checkpoint(out, arch="qwen3_moe", hidden=256, intermediate=128, experts=8, top_k=2, layers=1, bits=4,
                      codebook="mul1", n_group=1, topk_group=1, shared_experts=None, seed=0, shards=1,
-                     hidden_act="silu", norm_topk_prob=True, routed_scaling_factor=2.5, progress=None,
+                     hidden_act="silu", norm_topk_prob=True, routed_scaling_factor=2.5, progress=False,
                      omit=()) -> str:
     """Write a random, valid exllamav3-format MoE checkpoint (config.json + safetensors) to directory `out`.
 
     Block outputs have rms O(0.1-1) for hidden states of rms 1 and every fp16 intermediate stays far from
     overflow. `shards` > 1 splits the tensors into that many files plus model.safetensors.index.json.
-    `progress`: None = a bar on stderr when the checkpoint exceeds 64 MiB. `omit`: keys (exact, or a tensor
-    prefix such as "...experts.3.up_proj") left out, to build broken checkpoints for tests.
+    `progress`: True = a bar on stderr, None = one when the checkpoint exceeds 64 MiB (the tool's default).
+    `omit`: keys (exact, or a tensor prefix such as "...experts.3.up_proj") left out, to build broken
+    checkpoints for tests.
     Returns `out`.
     """
     from safetensors.numpy import save_file

@@ -10,8 +10,11 @@ PROBE_ITERATIONS = 200_000  # well past lavapipe 22.3's 65,535 cap, cheap everyw
 
 
 def cache_dir():
-    path = os.environ.get("VKMOE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "vkmoe")
+    """VKMOE_CACHE_DIR, else the platform's user cache directory from platformdirs ($XDG_CACHE_HOME/vkmoe or
+    ~/.cache/vkmoe on Linux, ~/Library/Caches/vkmoe on macOS, %LOCALAPPDATA%\\vkmoe\\Cache on Windows)."""
+    import platformdirs
+
+    path = os.environ.get("VKMOE_CACHE_DIR") or platformdirs.user_cache_dir("vkmoe", appauthor=False)
     os.makedirs(path, exist_ok=True)
     return path
 
