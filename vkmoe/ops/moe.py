@@ -2,7 +2,7 @@
 
 Weights are uploaded once, one buffer per projection and kind (all experts back to back). A forward is
 routing prep + the stage bodies of shaders/include/moe_stages.glsl, either as split dispatches with pipeline
-barriers or as one persistent dispatch with spin barriers (vkmoe.sched decides; see ARCHITECTURE.md).
+barriers or as one persistent dispatch with spin barriers (vkmoe.sched decides; see docs/DESIGN.md).
 """
 import os
 import threading
