@@ -61,7 +61,10 @@ def compile_shaders(out_dir=SPV_DIR, force=False, verbose=True):
     Returns the number of SPIR-V files built."""
     glslc = shutil.which("glslc")
     sources = sorted(glob.glob(os.path.join(SHADER_DIR, "*.comp")))
-    include_blob = b"".join(open(p, "rb").read() for p in sorted(glob.glob(os.path.join(SHADER_DIR, "include", "*.glsl"))))
+    include_blob = b""
+    for path in sorted(glob.glob(os.path.join(SHADER_DIR, "include", "*.glsl"))):
+        with open(path, "rb") as f:
+            include_blob += f.read()
     os.makedirs(out_dir, exist_ok=True)
     stamp_path = os.path.join(out_dir, SPV_STAMPS)
     try:

@@ -7,16 +7,24 @@ import numpy as np
 from ..exl3 import Exl3Tensor
 from ..vk import CommandRecorder
 from . import kernels
+from .host_arrays import describe, host_array, out_dtype_of
 from .plan import gemm_plan
+
+FP16_MAX = 65504.0
 
 
 def _check_x(x, k):
-    if not isinstance(x, np.ndarray):
-        raise TypeError(f"x must be a numpy array of shape (m, {k}) float16, got {type(x).__name__}")
+    x = host_array(x, "x")
     if x.ndim != 2 or x.shape[1] != k:
-        raise ValueError(f"x must have shape (m, {k}), got {x.shape}")
+        raise ValueError(f"x: expected shape (m, {k}) float16 or float32, got {describe(x)}")
+    if x.dtype == np.float32:  # rounded to float16, the op's input precision
+        if x.size and np.nanmax(np.abs(x)) > FP16_MAX:
+            raise ValueError(f"x: float32 values beyond float16's range (|x| <= {FP16_MAX:g}) cannot be rounded to "
+                             "the op's float16 input")
+        x = x.astype(np.float16)
     if x.dtype != np.float16:
-        raise TypeError(f"x must be float16 (the op's input precision), got {x.dtype}")
+        raise TypeError(f"x: expected float16 or float32 (rounded to float16, the op's input precision), got "
+                        f"{describe(x)}")
     return np.ascontiguousarray(x)
 
 
@@ -77,11 +85,14 @@ class Exl3Linear:
         cmd.barrier()
 
     # ---------------------------------------------------------------------------------------------- call
-    def __call__(self, x):
+    def __call__(self, x: np.ndarray, out_dtype=np.float16) -> np.ndarray:
+        """x (m, k) float16 or float32 (a numpy array, a CPU DLPack tensor, anything with __array__) ->
+        (m, n) out_dtype: float16 (what the op computes), or float32 (the same values, widened)."""
+        dtype = out_dtype_of(out_dtype)
         x = _check_x(x, self.k)
         m = x.shape[0]
         if m == 0:
-            return np.zeros((0, self.n), np.float16)
+            return np.zeros((0, self.n), dtype)
         if m not in self._io:
             mem = self.device.memory
             xb, yb = mem.allocate(m * self.k * 2), mem.allocate(m * self.n * 2)
@@ -97,7 +108,7 @@ class Exl3Linear:
         xb.upload(x)
         rec.submit(wait=True)
         self.last_gpu_ms = rec.elapsed_ms()
-        return yb.download(np.float16, (m, self.n))
+        return yb.download(np.float16, (m, self.n)).astype(dtype, copy=False)
 
     def dequantize(self):
         """The decoded (k, n) fp16 matrix Ŵ, computed by the GPU decoder (no scales applied)."""

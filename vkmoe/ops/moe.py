@@ -12,6 +12,7 @@ import numpy as np
 from ..exl3 import Exl3Tensor
 from ..vk import CommandRecorder, PushConstants
 from . import kernels
+from .host_arrays import describe, host_array, out_dtype_of
 from .plan import moe_plan
 
 ACTIVATIONS = {"silu": 0, "gelu": 1, "relu2": 2, "swiglu_oai": 3, "gelu_erf": 4}
@@ -293,14 +294,12 @@ class Exl3MoeMlp:
     # ------------------------------------------------------------------------------------------ validation
     def _check_inputs(self, hidden, expert_ids, expert_weights):
         if not isinstance(hidden, np.ndarray) or hidden.ndim != 2 or hidden.shape[1] != self.H:
-            raise ValueError(f"hidden must be a numpy array of shape (m, {self.H}), got "
-                             f"{getattr(hidden, 'shape', type(hidden).__name__)}")
+            raise ValueError(f"hidden: expected shape (m, {self.H}) float16, got {describe(hidden)}")
         if hidden.dtype != np.float16:
             raise TypeError(f"hidden must be float16, got {hidden.dtype}")
         m = hidden.shape[0]
         if not isinstance(expert_ids, np.ndarray) or expert_ids.ndim != 2 or expert_ids.shape[0] != m:
-            raise ValueError(f"expert_ids must be a numpy array of shape ({m}, top_k), got "
-                             f"{getattr(expert_ids, 'shape', type(expert_ids).__name__)}")
+            raise ValueError(f"expert_ids: expected shape ({m}, top_k) (m from hidden), got {describe(expert_ids)}")
         if expert_ids.dtype.kind not in "iu":
             raise TypeError(f"expert_ids must be an integer array, got {expert_ids.dtype}")
         top_k = expert_ids.shape[1]
@@ -308,8 +307,8 @@ class Exl3MoeMlp:
             raise ValueError(f"expert_ids has top_k={top_k}; expected 1 <= top_k <= {min(self.E, MAX_TOP_K)} "
                              f"(the number of experts, {self.E}, and vkmoe's limit {MAX_TOP_K})")
         if not isinstance(expert_weights, np.ndarray) or expert_weights.shape != expert_ids.shape:
-            raise ValueError(f"expert_weights must be a numpy array of shape {expert_ids.shape}, got "
-                             f"{getattr(expert_weights, 'shape', type(expert_weights).__name__)}")
+            raise ValueError(f"expert_weights: expected shape {expert_ids.shape} (that of expert_ids), got "
+                             f"{describe(expert_weights)}")
         if expert_weights.dtype not in (np.float16, np.float32, np.float64):
             raise TypeError(f"expert_weights must be float16/float32, got {expert_weights.dtype}")
         if m and (expert_ids.min() < 0 or expert_ids.max() >= self.E):
@@ -325,9 +324,16 @@ class Exl3MoeMlp:
         return m, top_k
 
     # -------------------------------------------------------------------------------------------- forward
-    def __call__(self, hidden, expert_ids, expert_weights, dispatch=None):
+    def __call__(self, hidden: np.ndarray, expert_ids: np.ndarray, expert_weights: np.ndarray,
+                 dispatch: "str | None" = None, out_dtype=np.float32) -> np.ndarray:
+        """hidden (m, H) float16, expert_ids (m, top_k) integers, expert_weights (m, top_k) float16/float32 ->
+        (m, H) out_dtype (float32, or float16). Inputs: numpy arrays, CPU tensors through DLPack (torch: no
+        copy), anything with __array__, or lists."""
+        dtype = out_dtype_of(out_dtype)
+        hidden = host_array(hidden, "hidden")
+        expert_ids, expert_weights = host_array(expert_ids, "expert_ids"), host_array(expert_weights, "expert_weights")
         self._check_inputs(hidden, expert_ids, expert_weights)
-        return self._forward(hidden, expert_ids, expert_weights, dispatch)
+        return self._forward(hidden, expert_ids, expert_weights, dispatch).astype(dtype, copy=False)
 
     def _forward(self, hidden, ids, weights, dispatch):
         """Run checked inputs (ids outside [0, E) are skipped on the device) in the resolved dispatch mode."""
@@ -389,10 +395,15 @@ class Exl3MoeMlp:
                                          lambda rec, sc, bufs: self._record_persistent(rec, sc, bufs, pplan))
         return out, gpu_ms, int(scratch.sync.download(np.uint32, (1,))[0])
 
-    def forward_sorted(self, hidden, expert_count, token_sorted, weight_sorted, dispatch=None):
+    def forward_sorted(self, hidden: np.ndarray, expert_count, token_sorted, weight_sorted,
+                       dispatch: "str | None" = None, out_dtype=np.float32) -> np.ndarray:
         """exllamav3's kernel inputs: expert_count (E or E+1 entries; the last one, the sentinel, is ignored
         when E+1), token_sorted (token index per routed pair, grouped by expert), weight_sorted (matching
         routing weights). Rebuilt into per-token (ids, weights) and run as __call__."""
+        dtype = out_dtype_of(out_dtype)
+        hidden = host_array(hidden, "hidden")
+        expert_count, token_sorted = host_array(expert_count, "expert_count"), host_array(token_sorted, "token_sorted")
+        weight_sorted = host_array(weight_sorted, "weight_sorted")
         expert_count = np.asarray(expert_count).astype(np.int64).reshape(-1)
         token_sorted = np.asarray(token_sorted).astype(np.int64).reshape(-1)
         weight_sorted = np.asarray(weight_sorted).astype(np.float32).reshape(-1)
@@ -427,7 +438,7 @@ class Exl3MoeMlp:
             weights[t, fill[t]] = w
             fill[t] += 1
         # Tokens with fewer pairs than top_k keep id -1 there: skipped on the device like exllamav3's sentinel.
-        return self._call_with_skips(hidden, ids, weights, dispatch)
+        return self._call_with_skips(hidden, ids, weights, dispatch).astype(dtype, copy=False)
 
     def _call_with_skips(self, hidden, ids, weights, dispatch):
         if hidden.dtype != np.float16 or hidden.shape[1] != self.H:
