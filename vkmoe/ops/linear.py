@@ -10,6 +10,11 @@ from . import kernels
 from .host_arrays import describe, host_array, out_dtype_of
 from .plan import gemm_plan
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # names used in type hints only
+    import vkmoe
+
 FP16_MAX = 65504.0
 
 
@@ -31,7 +36,7 @@ def _check_x(x, k):
 class Exl3Linear:
     """One EXL3 linear layer resident on `device`. `layer(x)` for x (m, k) float16 returns (m, n) float16."""
 
-    def __init__(self, device, tensor):
+    def __init__(self, device: "vkmoe.Device", tensor: Exl3Tensor):
         if not isinstance(tensor, Exl3Tensor):
             raise TypeError(f"tensor must be a vkmoe.Exl3Tensor, got {type(tensor).__name__}")
         self.device, self.tensor = device, tensor
@@ -65,7 +70,7 @@ class Exl3Linear:
             self._owned += [xh, partial, counters]
         return plan, self._scratch[key]
 
-    def record(self, cmd, x_buf, y_buf, m):
+    def record(self, cmd: CommandRecorder, x_buf: "vkmoe.Buffer", y_buf: "vkmoe.Buffer", m: int):
         """Append y = x · W (+ bias) to a recording CommandRecorder. x_buf holds (m, k) fp16, y_buf receives
         (m, n) fp16. Ends with a barrier, so later commands may read y_buf."""
         if m <= 0:
@@ -110,7 +115,7 @@ class Exl3Linear:
         self.last_gpu_ms = rec.elapsed_ms()
         return yb.download(np.float16, (m, self.n)).astype(dtype, copy=False)
 
-    def dequantize(self):
+    def dequantize(self) -> np.ndarray:
         """The decoded (k, n) fp16 matrix Ŵ, computed by the GPU decoder (no scales applied)."""
         dev = self.device
         pipe = kernels.pipeline(dev, "exl3_dequant", kernels.DequantPush,

@@ -15,6 +15,11 @@ from . import kernels
 from .host_arrays import describe, host_array, out_dtype_of
 from .plan import moe_plan
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # names used in type hints only
+    import vkmoe
+
 ACTIVATIONS = {"silu": 0, "gelu": 1, "relu2": 2, "swiglu_oai": 3, "gelu_erf": 4}
 DISPATCH_MODES = ("auto", "persistent", "split")
 POISON_F32 = 0x7FC00000  # a quiet NaN: an output element the kernels forget to write shows up in every test
@@ -119,7 +124,9 @@ class Exl3MoeMlp:
     float32; `moe.last_run` says how it ran.
     """
 
-    def __init__(self, device, gate, up, down, activation="silu", act_limit=0.0, dispatch=None):
+    def __init__(self, device: "vkmoe.Device", gate: "list[Exl3Tensor] | None", up: "list[Exl3Tensor]",
+                 down: "list[Exl3Tensor]", activation: str = "silu", act_limit: float = 0.0,
+                 dispatch: "str | None" = None):
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
         self.activation, self.gated = activation, activation != "relu2"
@@ -195,7 +202,9 @@ class Exl3MoeMlp:
 
     # --------------------------------------------------------------------------------------------- loading
     @classmethod
-    def from_safetensors(cls, device, path, prefix, activation="silu", act_limit=0.0, dispatch=None):
+    def from_safetensors(cls, device: "vkmoe.Device", path: "str | os.PathLike | dict", prefix: str,
+                         activation: str = "silu", act_limit: float = 0.0, dispatch: "str | None" = None
+                         ) -> "Exl3MoeMlp":
         """Load `{prefix}.experts.{e}.{gate,up,down}_proj` (exllamav3 names) from a safetensors file or dict."""
         from ..exl3 import load_moe_experts
 
@@ -252,7 +261,8 @@ class Exl3MoeMlp:
         cmd.dispatch(pipe, pipe.bind(*buffers), pplan.workgroups, self._push(plan, pplan))
         cmd.barrier()
 
-    def record(self, cmd, hidden_buf, ids_buf, weights_buf, out_buf, m, top_k, mode="split"):
+    def record(self, cmd: CommandRecorder, hidden_buf: "vkmoe.Buffer", ids_buf: "vkmoe.Buffer",
+               weights_buf: "vkmoe.Buffer", out_buf: "vkmoe.Buffer", m: int, top_k: int, mode: str = "split"):
         """Append the forward of m tokens to a recording CommandRecorder. hidden_buf: (m, H) fp16; ids_buf:
         (m, top_k) int32 (ids outside [0, E) are skipped); weights_buf: (m, top_k) float32; out_buf receives
         (m, H) float32. Ends with a barrier. Returns the GEMM plan.
@@ -284,11 +294,11 @@ class Exl3MoeMlp:
             raise ValueError(f"mode must be 'split' or 'persistent', got {mode!r}")
         return scratch.plan
 
-    def aborted(self, m, top_k):
+    def aborted(self, m: int, top_k: int) -> int:
         """The abort code left by the last persistent launch for this batch shape (0 = none)."""
         return int(self._scratch_for(m, top_k).sync.download(np.uint32, (1,))[0])
 
-    def reset_after_abort(self, m, top_k):
+    def reset_after_abort(self, m: int, top_k: int) -> None:
         self._scratch_for(m, top_k).reset_sync()
 
     # ------------------------------------------------------------------------------------------ validation

@@ -168,7 +168,7 @@ class Device:
     (close() does it for the objects it still tracks).
     """
 
-    def __init__(self, selector=None):
+    def __init__(self, selector: "int | str | None" = None):
         self._closed = True
         self.validation = _validation_requested()
         self.instance = _Instance.get(self.validation)
@@ -367,7 +367,7 @@ class Device:
         """A key naming this driver + device, for caches of measurements."""
         return f"{self.name}|{self.driver_name}|{self.driver_info}|{self.driver_version:#x}|{self.vendor_id:#x}:{self.device_id:#x}"
 
-    def info(self):
+    def info(self) -> dict:
         L = self.limits
         return {
             "name": self.name,
