@@ -109,6 +109,23 @@ def test_import_and_cpu_tier_without_a_vulkan_loader(tmp_path):
     assert "libvulkan1 mesa-vulkan-drivers" in message and "vkmoe.cpu" in message, message
 
 
+def test_command_without_a_vulkan_loader_says_what_to_install(tmp_path):
+    (tmp_path / "vulkan.py").write_text("raise OSError('Cannot find Vulkan SDK version')\n")
+    r = run_python("from vkmoe.cli import main; raise SystemExit(main(['info']))",
+                   env_extra={"PYTHONPATH": str(tmp_path)})
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert r.stderr.startswith("vkmoe info: error: the Vulkan loader (libvulkan.so.1) could not be loaded")
+    assert "apt-get install libvulkan1 mesa-vulkan-drivers" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_demo_command_passes():
+    r = run_python("from vkmoe.cli import main; raise SystemExit(main(['demo', '--experts', '8', '--tokens', '2']))")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    lines = r.stdout.strip().splitlines()
+    assert lines[-1] == "PASS" and any(line.strip().startswith("vs CPU tier:") for line in lines)
+    assert "[vkmoe.demo] building 8 random experts" in r.stderr  # progress through logging, shown by the command
+
+
 def test_no_driver_says_what_to_install(tmp_path):
     missing = str(tmp_path / "no-such-icd.json")
     r = run_python("""

@@ -187,8 +187,11 @@ def main(argv=None):
     if getattr(args, "repeats", 1) < 1:
         print("vkmoe: --repeats must be >= 1", file=sys.stderr)
         return EXIT_ERROR
-    from .vk.errors import VkmoeError
-
+    try:
+        from .vk.errors import VkmoeError
+    except Exception as exc:  # no Vulkan loader: vkmoe.vk's NoVulkanError says what to install
+        print(f"vkmoe {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
     try:
         return args.fn(args)
     except VkmoeError as exc:  # includes device selection errors and vkmoe.TimeoutError
