@@ -25,6 +25,15 @@ def _rel_rms(a, b):
     return float(np.sqrt(np.mean((a - b) ** 2)) / np.sqrt(np.mean(b ** 2)))
 
 
+def _dispatch_note(run_info):
+    """Why the forward ran as it did: the decision (`reason`), and a fallback only when it is something else
+    (a persistent launch that aborted and re-ran split)."""
+    reason, fallback = run_info.get("reason"), run_info.get("fallback_reason")
+    if fallback and fallback != reason:
+        return f"{reason}; fallback: {fallback}" if reason else f"fallback: {fallback}"
+    return reason
+
+
 def _registry_choice():
     try:
         from . import registry
@@ -80,7 +89,7 @@ def run(device=None, experts=16, tokens=4, seed=0, out=None):
     err = _rel_rms(y, y_cpu) if finite else float("nan")
     ok = finite and err < TOLERANCE
     mode = run_info.get("mode", "?")
-    reason = run_info.get("fallback_reason")
+    why = _dispatch_note(run_info)
     gpu_ms = run_info.get("gpu_ms")
 
     def p(line=""):
@@ -92,7 +101,7 @@ def run(device=None, experts=16, tokens=4, seed=0, out=None):
       f"(Vulkan {info['api']})")
     p(f"  registry:      would pick backend {_registry_choice()}")
     p(f"  dispatch:      requested {requested}, ran {mode}"
-      + (f" (fallback: {reason})" if reason else ""))
+      + (f" ({why})" if why else ""))
     p(f"  GPU time:      {gpu_ms:.3f} ms (second run; timestamps)" if gpu_ms is not None else "  GPU time:      n/a")
     p(f"  wall time:     {wall_ms:.1f} ms (second run); first run incl. compile {first_s:.2f} s; "
       f"CPU tier {cpu_ms:.1f} ms")
@@ -140,7 +149,7 @@ def run_block(device, experts, tokens, seed, p):
     gpu = run_info.get("gpu_ms")
     p(f"  block:         Qwen3-MoE checkpoint -> SparseMoeBlock (router + {experts} experts), {tokens} tokens")
     p(f"  block backend: {backend}, dispatch {run_info.get('mode', '-')}"
-      + (f" ({run_info['fallback_reason']})" if run_info.get("fallback_reason") else ""))
+      + (f" ({_dispatch_note(run_info)})" if _dispatch_note(run_info) else ""))
     p(f"  block time:    {wall_ms:.1f} ms wall" + (f", experts {gpu:.3f} ms GPU" if gpu is not None else ""))
     p(f"  block vs CPU:  relative RMS error {err:.2e} (tolerance {TOLERANCE:.0e})" + ("" if finite else ", NOT FINITE"))
     return ok
