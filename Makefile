@@ -6,7 +6,7 @@ PYTEST_ARGS ?=
 # Both lavapipes run with the Khronos validation layer (VKMOE_VALIDATION=1); override with VALIDATION=0.
 VALIDATION ?= 1
 
-.PHONY: all bootstrap mesa25 test test-system test-mesa25 demo bench probe shaders info clean distclean
+.PHONY: all bootstrap mesa25 test test-system test-mesa25 demo bench probe shaders info dist clean distclean
 
 all: test
 
@@ -52,6 +52,11 @@ info: bootstrap
 
 shaders: bootstrap
 	$(PY) setup.py build_shaders
+
+# The sdist (with the compiled SPIR-V: installing it needs no glslc) and the abi3 wheel, into dist/.
+dist: bootstrap
+	$(PY) -m pip install -q --disable-pip-version-check build
+	$(PY) -m build --outdir dist .
 
 # Build outputs; keeps .venv and .cache (distclean removes those too).
 clean:

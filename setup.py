@@ -1,26 +1,40 @@
-"""Build script: compiles shaders/*.comp to SPIR-V (vkmoe/_spv/) and the native CPU tier (native/) via cffi.
+"""Build steps that need code; the package metadata is in pyproject.toml.
 
-`python setup.py build_shaders` recompiles only the shaders whose source or includes changed.
+- SPIR-V: shaders/*.comp (and their variants) compiled with glslc. A shader is recompiled only when its source,
+  an include or its flags changed: `vkmoe/_spv/sources.json` records a hash of those per output, so the SPIR-V
+  shipped in the sdist builds a wheel without glslc. `python setup.py build_shaders` updates vkmoe/_spv/ in place
+  (the editable install uses it); a wheel build writes into its build directory, never into the source tree.
+- The cffi CPU tier (native/), an abi3 module.
+- The scripts in tools/ travel in the wheel as vkmoe/_tools/ so that the `vkmoe` command can run them.
 """
+import atexit
 import glob
+import hashlib
+import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 
 from setuptools import Command, setup
 from setuptools.command.build_py import build_py
+from setuptools.command.sdist import sdist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHADER_DIR = os.path.join(HERE, "shaders")
 SPV_DIR = os.path.join(HERE, "vkmoe", "_spv")
-# Shaders only the tests use: compiled beside them (tests/_spv), outside the package.
+TOOLS_DIR = os.path.join(HERE, "tools")
+# Shaders only the tests use: compiled beside them (tests/_spv), outside the package, by in-tree builds only.
 TEST_SHADER_DIR = os.path.join(HERE, "tests", "shaders")
 TEST_SPV_DIR = os.path.join(HERE, "tests", "_spv")
-# Vulkan 1.2 SPIR-V 1.5 is the floor: the Vulkan memory model (device-scope acquire/release) needs it.
-GLSLC_FLAGS = ["--target-env=vulkan1.2", "-O", "-I", os.path.join(SHADER_DIR, "include")]
 LAYOUT_MODULE = os.path.join(HERE, "vkmoe", "layout.py")
 LAYOUT_HEADER = os.path.join(SHADER_DIR, "include", "generated", "moe_layout.glsl")
+SPV_STAMPS = "sources.json"  # in each SPIR-V directory: output name -> hash of (flags, source, includes)
+# Vulkan 1.2 SPIR-V 1.5 is the floor: the Vulkan memory model (device-scope acquire/release) needs it.
+GLSLC_FLAGS = ["--target-env=vulkan1.2", "-O", "-I", os.path.join(SHADER_DIR, "include")]
+# The oldest CPython whose stable ABI the cffi module targets (the wheel's abi3 tag).
+LIMITED_API = "cp39"
 
 
 def write_layout_header():
@@ -56,41 +70,67 @@ def shader_variants(src):
     return out
 
 
-def compile_shaders(force=False, verbose=True):
-    """Compile every shaders/*.comp, shaders/probes/*.comp (into vkmoe/_spv) and tests/shaders/*.comp (into
-    tests/_spv), with their variants, that is older than its source or any include.
-    Returns the number of SPIR-V files built."""
-    glslc = shutil.which("glslc")
+def _shader_hash(src, flags, include_blob):
+    # Every include counts for every shader: cheaper to compute than an include graph, and rebuilds stay rare.
+    h = hashlib.sha256()
+    h.update(json.dumps([*GLSLC_FLAGS[:2], *flags]).encode())
+    with open(src, "rb") as f:
+        h.update(f.read())
+    h.update(include_blob)
+    return h.hexdigest()
+
+
+def compile_shaders(out_dir=SPV_DIR, force=False, verbose=True):
+    """Compile every shaders/*.comp and shaders/probes/*.comp variant into out_dir (and, building in the tree,
+    tests/shaders/*.comp into tests/_spv) whose recorded hash differs or whose .spv is missing. The launch
+    contract's header is generated first (vkmoe/layout.py). Returns the number of SPIR-V files built."""
     write_layout_header()
+    include_blob = b""
+    for path in sorted(glob.glob(os.path.join(SHADER_DIR, "include", "**", "*.glsl"), recursive=True)):
+        with open(path, "rb") as f:
+            include_blob += f.read()
     # shaders/probes/: the driver and residency probes (same output directory: names are unique)
-    sources = [(src, SPV_DIR) for src in sorted(glob.glob(os.path.join(SHADER_DIR, "*.comp"))
-                                                + glob.glob(os.path.join(SHADER_DIR, "probes", "*.comp")))]
-    sources += [(src, TEST_SPV_DIR) for src in sorted(glob.glob(os.path.join(TEST_SHADER_DIR, "*.comp")))]
-    includes = glob.glob(os.path.join(SHADER_DIR, "include", "**", "*.glsl"), recursive=True)
-    newest_include = max((os.path.getmtime(p) for p in includes), default=0.0)
+    groups = [(sorted(glob.glob(os.path.join(SHADER_DIR, "*.comp"))
+                      + glob.glob(os.path.join(SHADER_DIR, "probes", "*.comp"))), out_dir)]
+    if out_dir == SPV_DIR and os.path.isdir(TEST_SHADER_DIR):
+        groups.append((sorted(glob.glob(os.path.join(TEST_SHADER_DIR, "*.comp"))), TEST_SPV_DIR))
+    return sum(_compile_group(sources, d, include_blob, force, verbose) for sources, d in groups)
+
+
+def _compile_group(sources, out_dir, include_blob, force, verbose):
+    glslc = shutil.which("glslc")
+    os.makedirs(out_dir, exist_ok=True)
+    stamp_path = os.path.join(out_dir, SPV_STAMPS)
+    try:
+        with open(stamp_path) as f:
+            stamps = json.load(f)
+    except (OSError, ValueError):
+        stamps = {}
     built = 0
-    for src, spv_dir in sources:
-        os.makedirs(spv_dir, exist_ok=True)
+    for src in sources:
         for name, flags in shader_variants(src):
-            out = os.path.join(spv_dir, name + ".spv")
-            if not force and os.path.exists(out):
-                if os.path.getmtime(out) >= max(os.path.getmtime(src), newest_include):
-                    continue
+            out = os.path.join(out_dir, name + ".spv")
+            digest = _shader_hash(src, flags, include_blob)
+            if not force and os.path.exists(out) and stamps.get(name) == digest:
+                continue
             if glslc is None:
                 raise SystemExit(
-                    "vkmoe: glslc (the shaderc GLSL compiler) is required to build shaders/*.comp; "
-                    "install it with `apt-get install glslc` (Debian/Ubuntu), or copy a prebuilt vkmoe/_spv/."
+                    f"vkmoe: {os.path.relpath(src, HERE)} changed since its SPIR-V was built, and building it needs "
+                    "glslc (the shaderc GLSL compiler): install it with `apt-get install glslc` (Debian/Ubuntu)."
                 )
             cmd = [glslc, *GLSLC_FLAGS, *flags, src, "-o", out]
             if verbose:
                 print("glslc", " ".join(flags), os.path.relpath(src, HERE), "->", os.path.relpath(out, HERE))
             subprocess.run(cmd, check=True)
+            stamps[name] = digest
             built += 1
+            with open(stamp_path, "w") as f:  # after each file, so an interrupted build keeps what it finished
+                json.dump(stamps, f, indent=0, sort_keys=True)
     return built
 
 
 class BuildShaders(Command):
-    description = "compile shaders/*.comp to vkmoe/_spv/*.spv with glslc"
+    description = "compile shaders/*.comp to vkmoe/_spv/*.spv with glslc (only what changed)"
     user_options = [("force", "f", "rebuild every shader")]
 
     def initialize_options(self):
@@ -104,21 +144,46 @@ class BuildShaders(Command):
 
 
 class BuildPyWithShaders(build_py):
+    """Package data first (the tree's SPIR-V and stamps, when there are any), then bring the copy in the build
+    directory up to date and add the tools; the source tree is left as it was."""
+
+    def run(self):
+        if self.editable_mode:
+            compile_shaders()
+        super().run()
+        if not self.editable_mode:
+            compile_shaders(out_dir=os.path.join(self.build_lib, "vkmoe", "_spv"))
+            tools_out = os.path.join(self.build_lib, "vkmoe", "_tools")
+            os.makedirs(tools_out, exist_ok=True)
+            for path in sorted(glob.glob(os.path.join(TOOLS_DIR, "*"))):
+                if os.path.isfile(path):
+                    self.copy_file(path, os.path.join(tools_out, os.path.basename(path)))
+
+
+class SdistWithShaders(sdist):
+    """The sdist ships up-to-date SPIR-V, so installing it needs no glslc."""
+
     def run(self):
         compile_shaders()
         super().run()
 
 
+def _build_options():
+    """A wheel build (pip / python -m build) works in a temporary directory, so it leaves no build/ or
+    vkmoe.egg-info/ in the source tree; other commands (the editable install, build_ext --inplace) keep the
+    usual places."""
+    options = {"bdist_wheel": {"py_limited_api": LIMITED_API}}
+    # egg_info / dist_info run first, for the metadata; an editable install keeps its egg-info in the tree.
+    if {"bdist_wheel", "dist_info", "egg_info"} & set(sys.argv) and "editable_wheel" not in sys.argv:
+        scratch = tempfile.mkdtemp(prefix="vkmoe-build-")
+        atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+        options["build"] = {"build_base": scratch}
+        options["egg_info"] = {"egg_base": scratch}
+    return options
+
+
 setup(
-    name="vkmoe",
-    version="0.1.0",
-    description="The fused EXL3 Mixture-of-Experts MLP on any Vulkan device",
-    packages=["vkmoe", "vkmoe.vk", "vkmoe.exl3", "vkmoe.sched", "vkmoe.ops", "vkmoe.models"],
-    package_data={"vkmoe": ["_spv/*.spv"]},
-    python_requires=">=3.9",
-    install_requires=["vulkan==1.3.275.1", "cffi>=1.15", "numpy>=1.24", "safetensors>=0.4"],
-    extras_require={"test": ["pytest>=7"], "plot": ["matplotlib>=3.6"]},
-    setup_requires=["cffi>=1.15"],
     cffi_modules=["native/build_native.py:ffibuilder"],
-    cmdclass={"build_shaders": BuildShaders, "build_py": BuildPyWithShaders},
+    cmdclass={"build_shaders": BuildShaders, "build_py": BuildPyWithShaders, "sdist": SdistWithShaders},
+    options=_build_options(),
 )

@@ -26,7 +26,9 @@ def _header_decls():
 
 ffibuilder = FFI()
 ffibuilder.cdef(_header_decls())
-_sources = sorted(glob.glob(os.path.join(HERE, "*.c")))
+# Relative to the repository root: setuptools rejects absolute source paths (it runs setup.py from the root;
+# the __main__ build below changes there first).
+_sources = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(HERE, "*.c")))
 ffibuilder.set_source(
     "vkmoe._native",
     '#include "vkn.h"\n',
@@ -37,6 +39,7 @@ ffibuilder.set_source(
 )
 
 if __name__ == "__main__":
+    os.chdir(ROOT)
     tmp = os.path.join(ROOT, "build", "native")
     so = ffibuilder.compile(tmpdir=tmp, verbose="-v" in sys.argv)
     target = os.path.join(ROOT, "vkmoe", os.path.basename(so))

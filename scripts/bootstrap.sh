@@ -3,9 +3,9 @@
 #   1. apt: libvulkan1 mesa-vulkan-drivers glslc vulkan-validationlayers (+ python3-venv, python3-dev, gcc,
 #      libc6-dev only where the interpreter or C toolchain is missing). `apt-get update` and `apt-get install`
 #      run only when something is missing (checked with dpkg-query).
-#   2. .venv (python3 -m venv), then `pip install -e '.[test]'` only when setup.py (or pyproject.toml/setup.cfg)
-#      changed since the last install (hash stamp in .venv) or vkmoe isn't importable.
-#   3. `python setup.py build_shaders` (incremental) and the cffi module (vkmoe/_native*.so) rebuilt in place
+#   2. .venv (python3 -m venv), then pyproject.toml's build requirements and `pip install -e '.[test]'` only
+#      when setup.py (or pyproject.toml/setup.cfg) changed since the last install (hash stamp in .venv) or vkmoe isn't importable.
+#   3. `python setup.py build_shaders` (only shaders whose source changed) and the cffi module (vkmoe/_native*.so) rebuilt in place
 #      when native/ is newer than it.
 # Environment: PYTHON (interpreter for the venv, default python3), VKMOE_BOOTSTRAP_QUIET=1 (less output).
 set -euo pipefail
@@ -54,7 +54,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$hash" ] \
    || ! "$PY" -c 'import importlib.util as u, sys; sys.exit(u.find_spec("vkmoe") is None)' 2>/dev/null; then
   say "pip install -e '.[test]'"
   rm -f "$stamp"
-  "$PY" -m pip install -q --disable-pip-version-check 'setuptools>=64' wheel 'cffi>=1.15'
+  # The build requirements come from pyproject.toml's [build-system] (the one place they are listed).
+  mapfile -t build_reqs < <("$PY" -c 'import re; t = open("pyproject.toml").read(); s = re.search(r"\[build-system\].*?requires\s*=\s*\[(.*?)\]", t, re.S); print("\n".join(re.findall(r"\"([^\"]+)\"", s.group(1))))')
+  "$PY" -m pip install -q --disable-pip-version-check "${build_reqs[@]}"
   # No build isolation: setup.py needs cffi at build time (cffi_modules), and it is already in the venv.
   "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation -e '.[test]'
   echo "$hash" > "$stamp"

@@ -1,4 +1,4 @@
-"""Shared access to the golden test vectors (../shared/golden/*.npz, see its README.md).
+"""Shared access to the golden test vectors (tests/data/golden/*.npz; tests/data/golden/README.md explains them).
 
 A missing golden directory is an error, not a skip: silently skipping would hide that nothing was checked.
 """
@@ -13,7 +13,7 @@ import numpy as np
 from vkmoe.exl3 import Exl3Tensor
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GOLDEN_DIR = os.environ.get("VKMOE_GOLDEN_DIR") or os.path.normpath(os.path.join(_REPO, "..", "shared", "golden"))
+GOLDEN_DIR = os.environ.get("VKMOE_GOLDEN_DIR") or os.path.join(_REPO, "tests", "data", "golden")
 from vkmoe.layout import ACTIVATIONS
 
 # The goldens store exllamav3's MOE_ACT_* ids, which vkmoe's ACT_* ids follow.
@@ -25,7 +25,8 @@ def golden_files() -> list:
     files = sorted(glob.glob(os.path.join(GOLDEN_DIR, "*.npz")))
     if not files:
         raise FileNotFoundError(
-            f"no golden vectors (*.npz) in {GOLDEN_DIR!r}; set VKMOE_GOLDEN_DIR to the shared/golden directory")
+            f"no golden vectors (*.npz) in {GOLDEN_DIR!r}; they ship in tests/data/golden/ (VKMOE_GOLDEN_DIR "
+            "overrides the directory)")
     return files
 
 

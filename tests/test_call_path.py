@@ -171,7 +171,7 @@ def test_bad_device_arrays(device, ops, layer):
         with pytest.raises(ValueError, match=r"x must have shape \(m, 256\)"):
             lin1(narrow)
     with DeviceArray.from_numpy(device, x[:1]) as short:  # 1 row of hidden, 3 rows of expert_ids
-        with pytest.raises(ValueError, match=r"expert_ids must be a numpy array of shape \(1, top_k\)"):
+        with pytest.raises(ValueError, match=r"expert_ids: expected shape \(1, top_k\)"):
             moe(short, ids, w)
     closed = DeviceArray.from_numpy(device, x)
     closed.close()
@@ -276,8 +276,8 @@ def test_submit_riders_must_be_recorded(device):
 def test_residency_cache_read_once(device, tmp_path, monkeypatch):
     monkeypatch.setenv("VKMOE_CACHE_DIR", str(tmp_path))
     reads = []
-    real_load = residency._load
-    monkeypatch.setattr(residency, "_load", lambda: reads.append(1) or real_load())
+    real_read = residency.read_json
+    monkeypatch.setattr(residency, "read_json", lambda name: reads.append(1) or real_read(name))
     assert residency.lookup_crossover(device) == {}
     residency.store_crossover(device, "tiny", 4, "test")
     reads.clear()

@@ -151,8 +151,11 @@ def _still_usable(layer, t, x):
 def test_bad_inputs(device, small):
     t, x = small
     with vkmoe.Exl3Linear(device, t) as layer:
-        with pytest.raises(TypeError, match=r"\bx\b"):
-            layer(x.astype(np.float32))
+        with pytest.raises(TypeError, match=r"\bx\b.*float64"):
+            layer(x.astype(np.float64))
+        _still_usable(layer, t, x)
+        with pytest.raises(ValueError, match=r"\bx\b.*float16's range"):
+            layer(np.full(x.shape, 1e5, np.float32))
         _still_usable(layer, t, x)
         with pytest.raises(ValueError):
             layer(make_x(3, 128))                  # wrong k

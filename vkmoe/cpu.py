@@ -132,7 +132,7 @@ def dequantize(trellis, codebook: str = "mul1") -> np.ndarray:
     return out
 
 
-def linear(x, tensor: Exl3Tensor, threads=None) -> np.ndarray:
+def linear(x: np.ndarray, tensor: Exl3Tensor, threads: "int | None" = None) -> np.ndarray:
     """y = x·W + bias (fp32 math), x (m, k) float16/float32 -> (m, n) float32."""
     if not isinstance(tensor, Exl3Tensor):
         raise TypeError(f"tensor: expected Exl3Tensor, got {type(tensor).__name__}")
@@ -153,8 +153,9 @@ def linear(x, tensor: Exl3Tensor, threads=None) -> np.ndarray:
     return y
 
 
-def moe_forward(hidden, expert_ids, expert_weights, gate, up, down, activation="silu", act_limit=0.0,
-                threads=None) -> np.ndarray:
+def moe_forward(hidden: np.ndarray, expert_ids: np.ndarray, expert_weights: np.ndarray,
+                gate: "list[Exl3Tensor] | None", up: "list[Exl3Tensor]", down: "list[Exl3Tensor]",
+                activation: str = "silu", act_limit: float = 0.0, threads: "int | None" = None) -> np.ndarray:
     """Fused MoE MLP, same arguments and semantics as `vkmoe.exl3.reference.moe_forward`; (m, H) float32.
 
     hidden (m, H) float16/float32; expert_ids (m, top_k) integers (ids outside [0, E) are skipped, as the

@@ -19,7 +19,12 @@ import threading
 
 import numpy as np
 
+from typing import TYPE_CHECKING
+
 from . import knobs
+
+if TYPE_CHECKING:  # names used in type hints only
+    from .vk import Device
 
 __all__ = [
     "BACKENDS",
@@ -191,7 +196,7 @@ def _usable(op, backend, device):
     return is_available(op, backend)
 
 
-def select_backend(device=None, ops=None) -> str:
+def select_backend(device: "Device | None" = None, ops: "str | tuple[str, ...] | None" = None) -> str:
     """"vulkan" when a usable Vulkan device exists (or `device` is given) and every op in `ops` can run on it,
     else "cpu". VKMOE_BACKEND=vulkan|cpu overrides; forcing a backend that cannot run here is an error."""
     ops = (ops,) if isinstance(ops, str) else tuple(ops or ())
@@ -215,7 +220,7 @@ def select_backend(device=None, ops=None) -> str:
     return "cpu"
 
 
-def create(op: str, *args, backend=None, device=None, **kw):
+def create(op: str, *args, backend: "str | None" = None, device: "Device | None" = None, **kw):
     """Build op `op` on `backend` (None = select_backend). Vulkan ops run on `device` (default: the probed one)."""
     _check_op(op)
     if backend is None:

@@ -192,7 +192,7 @@ float erf_approx(float x) {  // Abramowitz-Stegun 7.1.26, |error| < 1.5e-7 (belo
 }
 float act_gelu_erf(float x) { return rn16(0.5 * x * (1.0 + erf_approx(x * 0.70710678118654752))); }
 
-// p = RN16(act(g) * u) with act_limit semantics (ARCHITECTURE.md): g, u are fp16 values.
+// p = RN16(act(g) * u) with act_limit semantics (vkmoe/exl3/reference.py): g, u are fp16 values.
 float activate(float g, float u) {
     float L = pc.act_limit;
     if (ACT == ACT_SWIGLU_OAI) {

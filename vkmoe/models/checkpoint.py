@@ -13,6 +13,7 @@ import numpy as np
 
 from ..exl3 import Exl3Tensor, save_exl3_tensor
 from ..exl3.decode import codebook_table
+from ..exl3.synthetic import random_exl3_tensor
 from .config import ARCHITECTURES, CheckpointError, MissingTensorError, MoeConfig
 
 __all__ = ["Checkpoint", "open_checkpoint", "write_checkpoint", "checkpoint_config"]
@@ -196,17 +197,8 @@ def checkpoint_config(arch="qwen3_moe", hidden=256, intermediate=128, experts=8,
 
 
 def _random_exl3(rng, k, n, bits, codebook, sigma, out_scale):
-    """Random trellis (every uint16 pattern is a valid code) with scales giving y rms ≈ out_scale · rms(x).
-
-    y = ((x⊙suh)·Hk·Ŵ)·Hn⊙svh with orthonormal H and Ŵ entries of std sigma has
-    rms |suh|·|svh|·sigma·sqrt(k)·rms(x), so |suh| ≈ 1/(sigma·sqrt(k)) keeps the fp16 GEMM result near 1 and
-    |svh| ≈ out_scale sets the output scale.
-    """
-    trellis = rng.integers(0, 1 << 16, size=(k // 16, n // 16, 16 * bits), dtype=np.uint16)
-    sign = lambda size: np.where(rng.random(size) < 0.5, -1.0, 1.0)  # noqa: E731
-    suh = sign(k) * np.abs(rng.normal(1.0, 0.1, k)) / (sigma * math.sqrt(k))
-    svh = sign(n) * np.abs(rng.normal(1.0, 0.1, n)) * out_scale
-    return Exl3Tensor(trellis, suh.astype(np.float16), svh.astype(np.float16), codebook=codebook)
+    """Random trellis with scales giving y rms ≈ out_scale · rms(x) (vkmoe.exl3.synthetic; sigma is implied)."""
+    return random_exl3_tensor(k, n, bits, codebook, out_scale, rng=rng)
 
 
 def _plan(cfg, codebook, bits):
@@ -264,14 +256,15 @@ class _Progress:
 
 def write_checkpoint(out, arch="qwen3_moe", hidden=256, intermediate=128, experts=8, top_k=2, layers=1, bits=4,
                      codebook="mul1", n_group=1, topk_group=1, shared_experts=None, seed=0, shards=1,
-                     hidden_act="silu", norm_topk_prob=True, routed_scaling_factor=2.5, progress=None,
+                     hidden_act="silu", norm_topk_prob=True, routed_scaling_factor=2.5, progress=False,
                      omit=()) -> str:
     """Write a random, valid exllamav3-format MoE checkpoint (config.json + safetensors) to directory `out`.
 
     Block outputs have rms O(0.1-1) for hidden states of rms 1 and every fp16 intermediate stays far from
     overflow. `shards` > 1 splits the tensors into that many files plus model.safetensors.index.json.
-    `progress`: None = a bar on stderr when the checkpoint exceeds 64 MiB. `omit`: keys (exact, or a tensor
-    prefix such as "...experts.3.up_proj") left out, to build broken checkpoints for tests.
+    `progress`: True = a bar on stderr, None = one when the checkpoint exceeds 64 MiB (the tool's default).
+    `omit`: keys (exact, or a tensor prefix such as "...experts.3.up_proj") left out, to build broken
+    checkpoints for tests.
     Returns `out`.
     """
     from safetensors.numpy import save_file

@@ -11,18 +11,31 @@ from ..exl3 import Exl3Tensor
 from ..vk import CommandRecorder
 from . import kernels
 from .device_array import CallTransfers, DeviceArray, resolve_out
+from .host_arrays import describe, host_array, out_dtype_of
 from .plan import gemm_plan
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # names used in type hints only
+    from ..vk import Buffer, Device
+
+FP16_MAX = 65504.0
 
 
 def _check_x(x, k, device):
     if isinstance(x, DeviceArray):
         return x.check("x", device, (None, k), np.float16)
-    if not isinstance(x, np.ndarray):
-        raise TypeError(f"x must be a numpy array of shape (m, {k}) float16, got {type(x).__name__}")
+    x = host_array(x, "x")
     if x.ndim != 2 or x.shape[1] != k:
-        raise ValueError(f"x must have shape (m, {k}), got {x.shape}")
+        raise ValueError(f"x: expected shape (m, {k}) float16 or float32, got {describe(x)}")
+    if x.dtype == np.float32:  # rounded to float16, the op's input precision
+        if x.size and np.nanmax(np.abs(x)) > FP16_MAX:
+            raise ValueError(f"x: float32 values beyond float16's range (|x| <= {FP16_MAX:g}) cannot be rounded to "
+                             "the op's float16 input")
+        x = x.astype(np.float16)
     if x.dtype != np.float16:
-        raise TypeError(f"x must be float16 (the op's input precision), got {x.dtype}")
+        raise TypeError(f"x: expected float16 or float32 (rounded to float16, the op's input precision), got "
+                        f"{describe(x)}")
     return np.ascontiguousarray(x)
 
 
@@ -40,7 +53,7 @@ def _release_linear(io, scratch, owned):
 class Exl3Linear:
     """One EXL3 linear layer resident on `device`. `layer(x)` for x (m, k) float16 returns (m, n) float16."""
 
-    def __init__(self, device, tensor):
+    def __init__(self, device: "Device", tensor: Exl3Tensor):
         if not isinstance(tensor, Exl3Tensor):
             raise TypeError(f"tensor must be a vkmoe.Exl3Tensor, got {type(tensor).__name__}")
         self.device, self.tensor = device, tensor
@@ -78,7 +91,7 @@ class Exl3Linear:
             self._owned += [xh, partial, counters]
         return plan, self._scratch[key]
 
-    def record(self, cmd, x_buf, y_buf, m):
+    def record(self, cmd: CommandRecorder, x_buf: "Buffer", y_buf: "Buffer", m: int):
         """Append y = x · W (+ bias) to a recording CommandRecorder. x_buf holds (m, k) fp16, y_buf receives
         (m, n) fp16. Ends with a barrier, so later commands may read y_buf."""
         if m <= 0:
@@ -99,14 +112,17 @@ class Exl3Linear:
         cmd.barrier()
 
     # ---------------------------------------------------------------------------------------------- call
-    def __call__(self, x, out=None):
-        """x: (m, k) float16, numpy or DeviceArray. out: None (return numpy), "device" (return a new
-        DeviceArray) or a DeviceArray (m, n) float16 to write and return. One submission per call."""
+    def __call__(self, x, out=None, out_dtype=np.float16):
+        """x: (m, k) float16 or float32: numpy, a CPU DLPack tensor, anything with __array__, or a DeviceArray
+        (float16). out: None (return numpy of out_dtype: float16, what the op computes, or float32, the same
+        values widened), "device" (return a new DeviceArray) or a DeviceArray (m, n) float16 to write and return.
+        One submission per call."""
+        dtype = out_dtype_of(out_dtype)
         x = _check_x(x, self.k, self.device)
         m = x.shape[0]
         target = resolve_out(out, self.device, (m, self.n), np.float16)
         if m == 0:
-            return np.zeros((0, self.n), np.float16) if target is None else target
+            return np.zeros((0, self.n), dtype) if target is None else target
         xb, yb, rec = self._call_buffers(m)
         copies_in = copies_out = ()
         if isinstance(x, DeviceArray):
@@ -117,7 +133,7 @@ class Exl3Linear:
             copies_out = [(yb, target.buffer, target.nbytes)]
         self._transfers.submit(rec, copies_in, copies_out)
         self.last_gpu_ms = rec.elapsed_ms()
-        return yb.download(np.float16, (m, self.n)) if target is None else target
+        return yb.download(np.float16, (m, self.n)).astype(dtype, copy=False) if target is None else target
 
     def _call_buffers(self, m):
         """(x, y, recorder) of __call__ for m rows: x where the host writes and the device reads it, y where the
@@ -136,7 +152,7 @@ class Exl3Linear:
             self._io[m] = (xb, yb, rec)
         return self._io[m]
 
-    def dequantize(self):
+    def dequantize(self) -> np.ndarray:
         """The decoded (k, n) fp16 matrix Ŵ, computed by the GPU decoder (no scales applied)."""
         dev = self.device
         pipe = kernels.pipeline(dev, "exl3_dequant", kernels.DequantPush,

@@ -2,7 +2,7 @@
 
 Weights are uploaded once, one buffer per projection and kind (all experts back to back). A forward is
 routing prep + the stage bodies of shaders/include/moe_stages.glsl, either as split dispatches with pipeline
-barriers or as one persistent dispatch with spin barriers (vkmoe.sched decides; see ARCHITECTURE.md).
+barriers or as one persistent dispatch with spin barriers (vkmoe.sched decides; see docs/DESIGN.md).
 """
 import threading
 import time
@@ -20,7 +20,13 @@ from ..exl3.reference import check_op_routing
 from ..vk import CommandRecorder, PushConstants
 from . import kernels
 from .device_array import CallTransfers, DeviceArray, resolve_out
+from .host_arrays import describe, host_array, out_dtype_of
 from .plan import moe_plan
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # names used in type hints only
+    from ..vk import Buffer, Device
 
 DISPATCH_MODES = ("auto", "persistent", "split")
 POISON_F32 = 0x7FC00000  # a quiet NaN: an output element the kernels forget to write shows up in every test
@@ -186,7 +192,9 @@ class Exl3MoeMlp:
     float32; `moe.last_run` says how it ran.
     """
 
-    def __init__(self, device, gate, up, down, activation="silu", act_limit=0.0, dispatch=None):
+    def __init__(self, device: "Device", gate: "list[Exl3Tensor] | None", up: "list[Exl3Tensor]",
+                 down: "list[Exl3Tensor]", activation: str = "silu", act_limit: float = 0.0,
+                 dispatch: "str | None" = None):
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
         self.activation, self.gated = activation, activation != "relu2"
@@ -269,8 +277,9 @@ class Exl3MoeMlp:
 
     # --------------------------------------------------------------------------------------------- loading
     @classmethod
-    def from_safetensors(cls, device, path, prefix, activation="silu", act_limit=0.0, dispatch=None,
-                         num_experts=None):
+    def from_safetensors(cls, device: "Device", path: "str | os.PathLike | dict", prefix: str,
+                         activation: str = "silu", act_limit: float = 0.0, dispatch: "str | None" = None,
+                         num_experts: "int | None" = None) -> "Exl3MoeMlp":
         """Load `{prefix}.experts.{e}.{gate,up,down}_proj` (exllamav3 names) from a safetensors file or dict.
         `num_experts` (from the model config) makes a file whose last experts are missing an error."""
         from ..exl3 import load_moe_experts
@@ -327,7 +336,8 @@ class Exl3MoeMlp:
         cmd.dispatch(pipe, pipe.bind(*buffers), pplan.workgroups, self._push(plan, pplan))
         cmd.barrier()
 
-    def record(self, cmd, hidden_buf, ids_buf, weights_buf, out_buf, m, top_k, mode="split"):
+    def record(self, cmd: CommandRecorder, hidden_buf: "Buffer", ids_buf: "Buffer",
+               weights_buf: "Buffer", out_buf: "Buffer", m: int, top_k: int, mode: str = "split"):
         """Append the forward of m tokens to a recording CommandRecorder. hidden_buf: (m, H) fp16; ids_buf:
         (m, top_k) int32 (ids outside [0, E) are skipped); weights_buf: (m, top_k) float32; out_buf receives
         (m, H) float32. Ends with a barrier. Returns the GEMM plan.
@@ -357,11 +367,11 @@ class Exl3MoeMlp:
             raise ValueError(f"mode must be 'split' or 'persistent', got {mode!r}")
         return scratch.plan
 
-    def aborted(self, m, top_k):
+    def aborted(self, m: int, top_k: int) -> int:
         """The abort code left by the last persistent launch for this batch shape (0 = none)."""
         return self._scratch_for(m, top_k).abort_code()
 
-    def reset_after_abort(self, m, top_k):
+    def reset_after_abort(self, m: int, top_k: int) -> None:
         self._scratch_for(m, top_k).reset_sync()
 
     # ------------------------------------------------------------------------------------------ validation
@@ -369,14 +379,12 @@ class Exl3MoeMlp:
         if isinstance(hidden, DeviceArray):
             hidden.check("hidden", self.device, (None, self.H), np.float16)
         elif not isinstance(hidden, np.ndarray) or hidden.ndim != 2 or hidden.shape[1] != self.H:
-            raise ValueError(f"hidden must be a numpy array of shape (m, {self.H}), got "
-                             f"{getattr(hidden, 'shape', type(hidden).__name__)}")
+            raise ValueError(f"hidden: expected shape (m, {self.H}) float16, got {describe(hidden)}")
         if hidden.dtype != np.float16:
             raise TypeError(f"hidden must be float16, got {hidden.dtype}")
         m = hidden.shape[0]
         if not isinstance(expert_ids, np.ndarray) or expert_ids.ndim != 2 or expert_ids.shape[0] != m:
-            raise ValueError(f"expert_ids must be a numpy array of shape ({m}, top_k), got "
-                             f"{getattr(expert_ids, 'shape', type(expert_ids).__name__)}")
+            raise ValueError(f"expert_ids: expected shape ({m}, top_k) (m from hidden), got {describe(expert_ids)}")
         if expert_ids.dtype.kind not in "iu":
             raise TypeError(f"expert_ids must be an integer array, got {expert_ids.dtype}")
         top_k = expert_ids.shape[1]
@@ -384,22 +392,28 @@ class Exl3MoeMlp:
             raise ValueError(f"expert_ids has top_k={top_k}; expected 1 <= top_k <= {min(self.E, MAX_TOP_K)} "
                              f"(the number of experts, {self.E}, and vkmoe's limit {MAX_TOP_K})")
         if not isinstance(expert_weights, np.ndarray) or expert_weights.shape != expert_ids.shape:
-            raise ValueError(f"expert_weights must be a numpy array of shape {expert_ids.shape}, got "
-                             f"{getattr(expert_weights, 'shape', type(expert_weights).__name__)}")
+            raise ValueError(f"expert_weights: expected shape {expert_ids.shape} (that of expert_ids), got "
+                             f"{describe(expert_weights)}")
         if expert_weights.dtype not in (np.float16, np.float32, np.float64):
             raise TypeError(f"expert_weights must be float16/float32, got {expert_weights.dtype}")
         check_op_routing(expert_ids, expert_weights, self.E)
         return m, top_k
 
     # -------------------------------------------------------------------------------------------- forward
-    def __call__(self, hidden, expert_ids, expert_weights, dispatch=None, out=None):
-        """hidden: (m, H) float16, numpy or DeviceArray. out: None (return numpy), "device" (return a new
+    def __call__(self, hidden, expert_ids, expert_weights, dispatch=None, out=None, out_dtype=np.float32):
+        """hidden (m, H) float16, expert_ids (m, top_k) integers, expert_weights (m, top_k) float16/float32:
+        numpy arrays, CPU tensors through DLPack (torch: no copy), anything with __array__, or lists; hidden may
+        be a DeviceArray. out: None (return numpy of out_dtype: float32, or float16), "device" (return a new
         DeviceArray) or a DeviceArray (m, H) float32 to write and return."""
+        dtype = out_dtype_of(out_dtype)
+        if not isinstance(hidden, DeviceArray):
+            hidden = host_array(hidden, "hidden")
+        expert_ids, expert_weights = host_array(expert_ids, "expert_ids"), host_array(expert_weights, "expert_weights")
         self._check_inputs(hidden, expert_ids, expert_weights)
         target = resolve_out(out, self.device, (hidden.shape[0], self.H), np.float32)
         if target is None:
-            return self._forward(hidden, expert_ids, expert_weights, dispatch)
-        self._call_options.out = target  # read by _run, below run_forward's mode decision
+            return self._forward(hidden, expert_ids, expert_weights, dispatch).astype(dtype, copy=False)
+        self._call_options.out = target  # read by _run, below the mode decision
         try:
             self._forward(hidden, expert_ids, expert_weights, dispatch)
         except BaseException:
@@ -510,10 +524,15 @@ class Exl3MoeMlp:
         is not valid (the caller re-runs split after resetting the sync area)."""
         return self._run_path(_PersistentPath(self, pplan), hidden, ids, weights, m, top_k)
 
-    def forward_sorted(self, hidden, expert_count, token_sorted, weight_sorted, dispatch=None):
+    def forward_sorted(self, hidden: np.ndarray, expert_count, token_sorted, weight_sorted,
+                       dispatch: "str | None" = None, out_dtype=np.float32) -> np.ndarray:
         """exllamav3's kernel inputs: expert_count (E or E+1 entries; the last one, the sentinel, is ignored
         when E+1), token_sorted (token index per routed pair, grouped by expert), weight_sorted (matching
         routing weights). Rebuilt into per-token (ids, weights) and run as __call__."""
+        dtype = out_dtype_of(out_dtype)
+        hidden = host_array(hidden, "hidden")
+        expert_count, token_sorted = host_array(expert_count, "expert_count"), host_array(token_sorted, "token_sorted")
+        weight_sorted = host_array(weight_sorted, "weight_sorted")
         for name, value in (("expert_count", expert_count), ("token_sorted", token_sorted)):
             if np.asarray(value).dtype.kind not in "iu":  # a float index would be truncated silently
                 raise TypeError(f"{name} must be an integer array, got dtype {np.asarray(value).dtype}")
@@ -551,7 +570,7 @@ class Exl3MoeMlp:
             weights[t, fill[t]] = w
             fill[t] += 1
         # Tokens with fewer pairs than top_k keep id -1 there: skipped on the device like exllamav3's sentinel.
-        return self._call_with_skips(hidden, ids, weights, dispatch)
+        return self._call_with_skips(hidden, ids, weights, dispatch).astype(dtype, copy=False)
 
     def _call_with_skips(self, hidden, ids, weights, dispatch):
         if hidden.dtype != np.float16 or hidden.shape[1] != self.H:

@@ -3,17 +3,16 @@
 A DeepSeek-V3 layer is 5.6 GB of trellis and a cold-weights benchmark rotates several copies, so uploading
 random words from numpy through staging buffers would dominate the run. `random_projection` writes the words
 with shaders/fill_random.comp (a hash of the word index and a seed; every bit pattern is a valid trellis) and
-uploads only the small suh/svh vectors. `fill_words_numpy` is the same hash on the host, for tests.
+uploads only the small suh/svh vectors (vkmoe.exl3.synthetic.random_scales, as for host-made layers).
+`fill_words_numpy` is the same hash on the host, for tests. Routings come from vkmoe.exl3.synthetic.
 
     moe = random_moe(dev, E=128, H=2048, I=768)          # an Exl3MoeMlp, weights on the device
-    ids, w = random_routing(m=4, E=128, top_k=8, seed=1)  # distinct ids per row, weights summing to 1
+    ids, w = random_routing(m=4, experts=128, top_k=8, seed=1)  # distinct ids per row, weights summing to 1
 """
-import math
-
 import numpy as np
 
 from ..exl3 import Exl3Tensor
-from ..exl3.decode import codebook_table
+from ..exl3.synthetic import DOWN_OUT_SCALE, GATELESS_ACTIVATIONS, random_routing, random_scales
 from ..vk import CommandRecorder, PushConstants
 from . import kernels
 from ..layout import ACTIVATIONS, CODEBOOKS, ceil_div
@@ -120,7 +119,7 @@ class SyntheticProjection:
         try:
             self.trellis = mem.allocate(self.trellis_bytes)
             fill_random(device, self.trellis, self.seed)
-            suh, svh = _scales(np.random.default_rng([self.seed, 1]), E, k, n, codebook, out_scale)
+            suh, svh = random_scales(np.random.default_rng([self.seed, 1]), k, n, codebook, out_scale, batch=(E,))
             self.suh = mem.allocate(E * k * 2)
             self.suh.upload(suh)
             self.svh = mem.allocate(E * n * 2)
@@ -150,16 +149,6 @@ class SyntheticProjection:
         self.buffers = ()
 
 
-def _scales(rng, E, k, n, codebook, out_scale):
-    """Random signs x magnitudes as vkmoe.models.checkpoint does: |suh| ~ 1/(sigma sqrt(k)) keeps the fp16 GEMM
-    result near 1 for unit-RMS input, |svh| ~ out_scale sets the output scale."""
-    sigma = float(codebook_table(codebook).astype(np.float64).std())
-    sign = lambda shape: np.where(rng.random(shape) < 0.5, -1.0, 1.0)  # noqa: E731
-    suh = sign((E, k)) * np.abs(rng.normal(1.0, 0.1, (E, k))) / (sigma * math.sqrt(k))
-    svh = sign((E, n)) * np.abs(rng.normal(1.0, 0.1, (E, n))) * out_scale
-    return suh.astype(np.float16), svh.astype(np.float16)
-
-
 def random_projection(device, E, k, n, bits, seed, out_scale=1.0, codebook="mul1"):
     """E experts of a k -> n EXL3 projection with device-filled trellis words (see SyntheticProjection)."""
     return SyntheticProjection(device, E, k, n, bits, seed, out_scale=out_scale, codebook=codebook)
@@ -177,12 +166,12 @@ def random_moe(device, E, H, I, bits=4, codebook="mul1", activation="silu", seed
     made = []
     try:
         gate = None
-        if activation != "relu2":
+        if activation not in GATELESS_ACTIVATIONS:
             gate = random_projection(device, E, H, I, gb, projection_seed(seed, 0), 1.0, codebook)
             made.append(gate)
         up = random_projection(device, E, H, I, ub, projection_seed(seed, 1), 1.0, codebook)
         made.append(up)
-        down = random_projection(device, E, I, H, db, projection_seed(seed, 2), 0.5, codebook)
+        down = random_projection(device, E, I, H, db, projection_seed(seed, 2), DOWN_OUT_SCALE, codebook)
         made.append(down)
         return Exl3MoeMlp.from_projections(device, codebook, gate, up, down, activation=activation,
                                            act_limit=act_limit, dispatch=dispatch)
@@ -196,20 +185,6 @@ def moe_tensors(moe):
     """(gate, up, down) host Exl3Tensor lists of a random_moe layer (downloaded; gate None if gateless)."""
     gate = moe._gate.to_tensors(moe.codebook) if moe.gated else None
     return gate, moe._up.to_tensors(moe.codebook), moe._down.to_tensors(moe.codebook)
-
-
-# -------------------------------------------------------------------------------------------- routing
-def random_routing(m, E, top_k, seed=0):
-    """(ids (m, top_k) int32, distinct per row; weights (m, top_k) float32, a softmax over the row's logits,
-    each row summing to 1)."""
-    if not 1 <= top_k <= E:
-        raise ValueError(f"top_k must be in 1..E={E}, got {top_k}")
-    rng = np.random.default_rng([int(seed), m, E, top_k])
-    ids = np.argsort(rng.random((m, E)), axis=1)[:, :top_k].astype(np.int32)
-    logits = rng.normal(0.0, 1.0, (m, top_k))
-    w = np.exp(logits - logits.max(axis=1, keepdims=True))
-    w = (w / w.sum(axis=1, keepdims=True)).astype(np.float32)
-    return ids, w
 
 
 def device_heap_bytes(device):

@@ -50,7 +50,7 @@ def _co_resident(device):
         return grid, f"probe cache ({entry.get('probed_at', '?')}): {entry.get('reason')}", True
     if device.compute_units:
         return int(device.compute_units), f"{device.compute_units_source}: one workgroup per compute unit", True
-    return 0, "no co-resident count for this device (run tools/probe_residency)", False
+    return 0, "no co-resident count for this device (run `vkmoe probe`)", False
 
 
 def _workgroups_per_cu():
@@ -114,7 +114,7 @@ def auto_switch_point(device):
     if shapes:
         shape, entry = min(shapes.items(), key=lambda kv: kv[1]["max_m"])
         return int(entry["max_m"]), f"measured crossover ({shape}, {entry.get('measured_at', '?')})"
-    return 0, "no measured crossover for this device (tools/bench_moe --store-crossover)"
+    return 0, "no measured crossover for this device (`vkmoe bench --store-crossover`)"
 
 
 @dataclass(frozen=True)

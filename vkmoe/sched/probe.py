@@ -353,7 +353,7 @@ def _check_variants(dev, variants, pipes, budget, repeats, launched, rounds, cu,
     return out_variants
 
 
-def probe_residency(device=None, variants=None, progress=True, repeats=5, rounds=200, store=True,
+def probe_residency(device=None, variants=None, progress=False, repeats=5, rounds=200, store=True,
                     force_fail=False, timeout=HOST_TIMEOUT_S):
     """Measure co-residency per variant, check the spin barrier and message passing at the planned grid, and
     return the report (`format_report` prints it). `variants`: [(workgroup_size, shared_bytes), ...].

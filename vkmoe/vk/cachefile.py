@@ -17,9 +17,12 @@ def warn(message):
 
 
 def cache_dir():
-    """VKMOE_CACHE_DIR, else $XDG_CACHE_HOME/vkmoe, else ~/.cache/vkmoe (created only when a file is stored)."""
-    return knobs.get("VKMOE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "vkmoe")
+    """VKMOE_CACHE_DIR, else the platform's user cache directory from platformdirs ($XDG_CACHE_HOME/vkmoe or
+    ~/.cache/vkmoe on Linux, ~/Library/Caches/vkmoe on macOS, %LOCALAPPDATA%\\vkmoe\\Cache on Windows); created
+    only when a file is stored."""
+    import platformdirs
+
+    return knobs.get("VKMOE_CACHE_DIR") or platformdirs.user_cache_dir("vkmoe", appauthor=False)
 
 
 def cache_path(filename):

@@ -8,7 +8,8 @@ import threading
 import vulkan as vk
 
 from .. import knobs
-from .errors import DeviceClosedError, DeviceSelectionError, ValidationError, VkmoeError, call, check
+from .errors import (VULKAN_INSTALL_HINT, DeviceClosedError, DeviceSelectionError, NoVulkanError, ValidationError,
+                     VkmoeError, VulkanError, call, check)
 
 ffi = vk.ffi
 log = logging.getLogger("vkmoe")
@@ -93,7 +94,13 @@ class _Instance:
             enabledExtensionCount=len(extensions),
             ppEnabledExtensionNames=extensions or None,
         )
-        self.handle = call("vkCreateInstance", vk.vkCreateInstance, info, None)
+        try:
+            self.handle = call("vkCreateInstance", vk.vkCreateInstance, info, None)
+        except VulkanError as exc:
+            if exc.result != "VK_ERROR_INCOMPATIBLE_DRIVER":  # what the loader returns when it found no driver
+                raise
+            raise NoVulkanError(f"the Vulkan loader found no driver (vkCreateInstance: {exc.result}); "
+                                f"{VULKAN_INSTALL_HINT}") from None
         self._messenger = None
         if validation:
             self._install_messenger()
@@ -163,7 +170,7 @@ class Device:
     (close() does it for the objects it still tracks).
     """
 
-    def __init__(self, selector=None):
+    def __init__(self, selector: "int | str | None" = None):
         self._closed = True
         self._handle_alive = False
         # Calls into the driver in progress (`use()`); close() waits for them, so another thread's forward
@@ -367,7 +374,7 @@ class Device:
         """A key naming this driver + device, for caches of measurements."""
         return f"{self.name}|{self.driver_name}|{self.driver_info}|{self.driver_version:#x}|{self.vendor_id:#x}:{self.device_id:#x}"
 
-    def info(self):
+    def info(self) -> dict:
         L = self.limits
         return {
             "name": self.name,

@@ -31,6 +31,19 @@ class DeviceSelectionError(VkmoeError, LookupError):
     """No Vulkan device matched the requested index or name."""
 
 
+# What a machine without Vulkan needs; the CPU tier does not.
+VULKAN_INSTALL_HINT = (
+    "install a Vulkan loader and a driver: on Debian/Ubuntu `apt-get install libvulkan1 mesa-vulkan-drivers` "
+    "(mesa-vulkan-drivers includes lavapipe, a driver that runs on the CPU), on Fedora `dnf install vulkan-loader "
+    "mesa-vulkan-drivers`, or your GPU vendor's driver. The CPU tier (vkmoe.cpu, registry backend \"cpu\") works "
+    "without Vulkan"
+)
+
+
+class NoVulkanError(VkmoeError):
+    """This machine has no Vulkan loader, or the loader found no driver; the message says what to install."""
+
+
 def call(name, fn, *args):
     """Call a `vulkan` binding function, turning its exception classes into VulkanError naming the call."""
     import vulkan as vk
