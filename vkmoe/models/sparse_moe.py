@@ -9,7 +9,6 @@ vkmoe.exl3.reference, for tests.
 """
 from __future__ import annotations
 
-import math
 import re
 
 import numpy as np
@@ -19,62 +18,66 @@ from ..exl3 import load_exl3_tensor
 from ..exl3 import reference as ref
 from .checkpoint import Checkpoint
 from .config import CheckpointError, MissingTensorError, MoeConfig
-from .routing import router_logits, sigmoid_group_topk, softmax_topk
+from .routing import router_logits, sigmoid_group_topk, softmax_topk, sqrtsp_hash, sqrtsp_topk
 
 __all__ = ["SparseMoeBlock", "block_reference", "load_block_tensors"]
 
 _PROJS = ("gate", "up", "down")
 
 
-def _activate(g, u, activation):
-    """a(g)·u for the shared-expert MLP on the host, in the arrays' dtype."""
-    if activation == "relu2":
-        return np.square(np.maximum(u, 0))
-    if activation == "silu":
-        a = g / (1 + np.exp(-g))
-    elif activation == "gelu":
-        a = 0.5 * g * (1 + np.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g ** 3)))
-    elif activation == "gelu_erf":
-        a = 0.5 * g * (1 + np.frompyfunc(math.erf, 1, 1)(g / math.sqrt(2)).astype(g.dtype))
-    else:
-        raise ValueError(f"activation {activation!r} is not supported for shared experts")
-    return a * u
+def _sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
 
 
 class SparseMoeBlock:
     """Router + routed experts (+ shared experts). Construct with from_checkpoint(), or directly from arrays.
 
-    router_weight: (E, H) float array (HF `mlp.gate.weight`); e_score_correction_bias: (E,) or None;
-    gate/up/down: lists of E Exl3Tensor; shared: None or {"gate", "up", "down"} Exl3Tensor (one dense MLP).
+    router_weight: (E, H) float array (HF `gate.weight`); e_score_correction_bias: (E,) or None (the selection
+    bias of dots/sqrtsp routers); gate/up/down: lists of E Exl3Tensor (gate None for gateless relu2 experts);
+    shared: None or {"gate", "up", "down"} Exl3Tensor (one dense MLP; "gate" None when relu2);
+    shared_gate_weight: None or (1, H) (Qwen3-Next: the shared output is scaled by sigmoid(x · w));
+    tid2eid: None or (vocab, top_k) int table (DeepSeek-V4 hash layers: expert ids by token id).
+    The router family is config.router_for(layer_index); a hash layer needs `input_ids` at call time.
     """
 
     def __init__(self, config: MoeConfig, router_weight, gate, up, down, e_score_correction_bias=None,
-                 shared=None, layer_index=None, device=None, backend=None, dispatch=None):
+                 shared=None, shared_gate_weight=None, tid2eid=None, layer_index=None, device=None, backend=None,
+                 dispatch=None):
         self.config = config
         self.layer_index = layer_index
+        self.router = config.router_for(layer_index)
         E, H = config.num_experts, config.hidden_size
         w = np.asarray(router_weight)
         if w.shape != (E, H):
             raise CheckpointError(f"router weight: expected shape ({E}, {H}) (num_experts, hidden_size), got {w.shape}")
         self.router_weight = np.ascontiguousarray(w, dtype=np.float32)
         self._router_weight_src = w
-        if config.arch == "deepseek_v3":
-            if e_score_correction_bias is None:
-                raise CheckpointError("deepseek_v3 routing needs e_score_correction_bias")
+        self.e_bias = None
+        if e_score_correction_bias is not None and self.router != "sqrtsp_hash":
             b = np.asarray(e_score_correction_bias)
             if b.shape != (E,):
                 raise CheckpointError(f"e_score_correction_bias: expected shape ({E},), got {b.shape}")
             self.e_bias = b
-        else:
-            self.e_bias = None
+        elif config.spec.bias_required:
+            raise CheckpointError(f"{config.arch} routing needs e_score_correction_bias")
+        self.tid2eid = None
+        if self.router == "sqrtsp_hash":
+            self.tid2eid = _check_tid2eid(tid2eid, config)
+        self.shared_gate_weight = None
+        if shared_gate_weight is not None:
+            sg = np.asarray(shared_gate_weight)
+            if sg.shape != (1, H):
+                raise CheckpointError(f"shared_expert_gate: expected shape (1, {H}), got {sg.shape}")
+            self.shared_gate_weight = sg
         self.gate, self.up, self.down = gate, up, down
         self.shared = shared
         self.activation = config.activation
+        self.act_limit = config.act_limit
         ops = ("exl3_moe_mlp", "exl3_linear") if shared else ("exl3_moe_mlp",)
         self.backend = backend or registry.select_backend(device=device, ops=ops)
         kw = {} if dispatch is None else {"dispatch": dispatch}
-        self.moe = registry.create("exl3_moe_mlp", gate, up, down, activation=self.activation, act_limit=0.0,
-                                   backend=self.backend, device=device, **kw)
+        self.moe = registry.create("exl3_moe_mlp", gate, up, down, activation=self.activation,
+                                   act_limit=self.act_limit, backend=self.backend, device=device, **kw)
         self.shared_ops = None
         if shared:
             self.shared_ops = {p: registry.create("exl3_linear", shared[p], backend=self.backend, device=device)
@@ -95,69 +98,109 @@ class SparseMoeBlock:
         H = self.config.hidden_size
         if h.ndim != 2 or h.shape[1] != H:
             raise ValueError(f"hidden: expected shape (m, {H}), got {h.shape}")
-        if h.dtype not in (np.float16, np.float32):
+        if h.dtype not in (np.float16, np.float32, np.float64):
             raise TypeError(f"hidden: expected float16 or float32, got dtype {h.dtype}")
         return h
 
-    def route(self, hidden, dtype=np.float32):
+    def _hash_ids(self, input_ids, m):
+        if input_ids is None:
+            raise ValueError(f"input_ids: layer {self.layer_index} of {self.config.arch} is a hash-routed layer "
+                             f"(layer < num_hash_layers={self.config.num_hash_layers}); call block(hidden, "
+                             "input_ids=...) with the (m,) token ids")
+        t = np.asarray(input_ids)
+        if t.dtype.kind not in "iu":
+            raise TypeError(f"input_ids: expected an integer array, got dtype {t.dtype}")
+        if t.shape != (m,):
+            raise ValueError(f"input_ids: expected shape ({m},) (one token id per hidden row), got {t.shape}")
+        V = self.tid2eid.shape[0]
+        if m and (t.min() < 0 or t.max() >= V):
+            raise ValueError(f"input_ids: expected token ids in [0, {V}) (rows of tid2eid), got "
+                             f"[{t.min()}, {t.max()}]")
+        return self.tid2eid[t]
+
+    def route(self, hidden, input_ids=None, dtype=np.float32):
         """(expert ids int64 (m, top_k), routing weights (m, top_k) in `dtype`), router math in `dtype`."""
         c = self.config
         dt = np.dtype(dtype)
         w = self.router_weight if dt == np.float32 else self._router_weight_src
         logits = router_logits(hidden, w, dt)
-        if c.arch == "qwen3_moe":
+        if self.router == "std":
             ids, wts = softmax_topk(logits, c.top_k, c.norm_topk_prob)
-        else:
+        elif self.router == "dots":
             ids, wts = sigmoid_group_topk(logits, self.e_bias, c.top_k, c.n_group, c.topk_group, c.norm_topk_prob,
                                           c.routed_scaling_factor)
+        elif self.router == "sqrtsp":
+            ids, wts = sqrtsp_topk(logits, self.e_bias, c.top_k, c.routed_scaling_factor)
+        else:
+            ids, wts = sqrtsp_hash(logits, self._hash_ids(input_ids, logits.shape[0]), c.routed_scaling_factor)
         return ids, wts.astype(dt)
 
-    def __call__(self, hidden) -> np.ndarray:
+    def __call__(self, hidden, input_ids=None) -> np.ndarray:
         h = self._check_hidden(hidden)
         m = h.shape[0]
         if m == 0:
             return np.zeros((0, self.config.hidden_size), np.float32)
-        ids, wts = self.route(h)
+        ids, wts = self.route(h, input_ids)
         x16 = np.ascontiguousarray(h, dtype=np.float16)
         out = np.asarray(self.moe(x16, ids, wts.astype(np.float32)), dtype=np.float32)
         if self.shared_ops:
             ops = self.shared_ops
             u = ops["up"](x16).astype(np.float32)
             g = ops["gate"](x16).astype(np.float32) if "gate" in ops else None
-            # fp16 between the linears, as exllamav3's GatedMLP hands its intermediate on.
-            p = _activate(g, u, self.activation).astype(np.float16)
-            out = out + ops["down"](p).astype(np.float32)
+            # fp16 between the linears, as exllamav3's GatedMLP hands its intermediate on; the reference's
+            # activation (act_limit convention of spec 8.6 included) so block and reference cannot drift apart.
+            p = ref._activate(g, u, self.activation, self.act_limit).astype(np.float16)
+            s = ops["down"](p).astype(np.float32)
+            if self.shared_gate_weight is not None:
+                s = s * _sigmoid(router_logits(x16, self.shared_gate_weight, np.float32))
+            out = out + s
         return out
 
     @property
     def last_run(self):
         return getattr(self.moe, "last_run", None)
 
-    def reference(self, hidden, routing=None) -> np.ndarray:
+    def reference(self, hidden, routing=None, input_ids=None) -> np.ndarray:
         """The whole block in float64 (router included) with vkmoe.exl3.reference; (m, H) float64."""
-        return block_reference(self, hidden, routing)
+        return block_reference(self, hidden, routing, input_ids)
 
     def __repr__(self):
         c = self.config
-        return (f"SparseMoeBlock({c.arch}, layer={self.layer_index}, H={c.hidden_size}, I={c.moe_intermediate_size}, "
-                f"E={c.num_experts}, top_k={c.top_k}, shared={c.n_shared_experts if self.shared else 0}, "
-                f"backend={self.backend!r})")
+        return (f"SparseMoeBlock({c.arch}, layer={self.layer_index}, router={self.router}, H={c.hidden_size}, "
+                f"I={c.moe_intermediate_size}, E={c.num_experts}, top_k={c.top_k}, "
+                f"shared={c.shared_intermediate_size if self.shared else 0}, backend={self.backend!r})")
 
 
-def block_reference(block: SparseMoeBlock, hidden, routing=None) -> np.ndarray:
-    """float64 version of `block(hidden)`: float64 router (unless `routing` = (ids, weights) is given), experts
-    on the fp16-rounded hidden (what the block feeds its experts) through vkmoe.exl3.reference, no fp16
-    intermediates."""
+def _check_tid2eid(tid2eid, config):
+    if tid2eid is None:
+        raise CheckpointError(f"{config.arch} hash layer needs the tid2eid table (token id -> expert ids)")
+    t = np.asarray(tid2eid)
+    if t.dtype.kind not in "iu" or t.ndim != 2 or t.shape[1] != config.top_k:
+        raise CheckpointError(f"tid2eid: expected an integer table (vocab_size, num_experts_per_tok="
+                              f"{config.top_k}), got {t.dtype} {t.shape}")
+    if t.size and (t.min() < 0 or t.max() >= config.num_experts):
+        raise CheckpointError(f"tid2eid: expert ids must be in [0, {config.num_experts}), got "
+                              f"[{t.min()}, {t.max()}]")
+    return t.astype(np.int64)
+
+
+def block_reference(block: SparseMoeBlock, hidden, routing=None, input_ids=None) -> np.ndarray:
+    """float64 version of `block(hidden, input_ids)`: float64 router (unless `routing` = (ids, weights) is
+    given), experts on the fp16-rounded hidden (what the block feeds its experts) through
+    vkmoe.exl3.reference, no fp16 intermediates."""
     h = block._check_hidden(hidden)
-    ids, wts = routing if routing is not None else block.route(h.astype(np.float64), dtype=np.float64)
+    ids, wts = routing if routing is not None else block.route(h.astype(np.float64), input_ids, dtype=np.float64)
     x = h.astype(np.float16).astype(np.float64)
     out = ref.moe_forward(x, ids, np.asarray(wts, np.float64), block.gate, block.up, block.down,
-                          activation=block.activation, act_limit=0.0, dtype=np.float64)
+                          activation=block.activation, act_limit=block.act_limit, dtype=np.float64)
     if block.shared:
         s = block.shared
         u = ref.linear_forward(x, s["up"], np.float64)
         g = ref.linear_forward(x, s["gate"], np.float64) if s.get("gate") is not None else None
-        out = out + ref.linear_forward(_activate(g, u, block.activation), s["down"], np.float64)
+        y = ref.linear_forward(ref._activate(g, u, block.activation, block.act_limit), s["down"], np.float64)
+        if block.shared_gate_weight is not None:
+            y = y * _sigmoid(router_logits(x, block.shared_gate_weight, np.float64))
+        out = out + y
     return out
 
 
@@ -178,50 +221,67 @@ def _load_linear(src, key, k, n, path, why):
 
 def load_block_tensors(ckpt: Checkpoint, config: MoeConfig, layer_index: int) -> dict:
     """The arrays and Exl3Tensors of layer `layer_index`'s MoE block, checked against `config`."""
-    path = ckpt.path
+    path, spec = ckpt.path, config.spec
     L = config.num_hidden_layers
     if layer_index < 0 or (L and layer_index >= L):
         raise CheckpointError(f"{path}: layer_index={layer_index} out of range (num_hidden_layers={L})")
     if not config.is_moe_layer(layer_index):
         raise CheckpointError(f"{path}: layer {layer_index} is a dense MLP layer in {config.arch} "
-                              f"(first_k_dense_replace / mlp_only_layers / sparse step), not a MoE block")
+                              f"(first_k_dense_replace / mlp_only_layers / sparse step / pattern), not a MoE block")
     E, H, I = config.num_experts, config.hidden_size, config.moe_intermediate_size
-    p = f"model.layers.{layer_index}.mlp"
+    p = spec.prefix.format(layer=layer_index)
     src = ckpt.subset(p + ".")
 
-    def plain(key, shape, why):
+    def plain(key, shape, why, kind="f"):
         if key not in src:
             raise MissingTensorError(f"{path}: tensor {key} not found ({why})")
         arr = src[key]
         if arr.shape != shape:
             raise CheckpointError(f"{path}: {key}: shape {arr.shape} does not match config.json, which implies "
                                   f"{shape} ({why})")
-        if arr.dtype.kind != "f":
-            raise CheckpointError(f"{path}: {key}: expected a float tensor, got {arr.dtype}")
+        if arr.dtype.kind not in kind:
+            raise CheckpointError(f"{path}: {key}: expected a {'float' if kind == 'f' else 'integer'} tensor, "
+                                  f"got {arr.dtype}")
         return arr
 
     # Expert count first: a wrong num_experts also breaks the router's shape, but this names the real cause.
     pat = re.compile(re.escape(p) + r"\.experts\.(\d+)\.")
     stored = {int(mt.group(1)) for k in src.keys() for mt in [pat.match(k)] if mt}
     extra = sorted(e for e in stored if e >= E)
+    ek = spec.experts_key
     if extra:
-        raise CheckpointError(f"{path}: {p}.experts.{extra[0]}.* exists but config.json says num_experts={E} "
+        raise CheckpointError(f"{path}: {p}.experts.{extra[0]}.* exists but config.json says {ek}={E} "
                               f"(the checkpoint holds {max(stored) + 1} experts in layer {layer_index})")
     if stored and max(stored) + 1 < E:
-        raise MissingTensorError(f"{path}: {p}.experts.{max(stored) + 1}.gate_proj.trellis not found: config.json "
-                                 f"says num_experts={E} but layer {layer_index} holds experts 0..{max(stored)}")
-    out = {"router_weight": plain(f"{p}.gate.weight", (E, H), f"router, num_experts={E}, hidden_size={H}")}
-    if config.arch == "deepseek_v3":
-        out["e_score_correction_bias"] = plain(f"{p}.gate.e_score_correction_bias", (E,),
-                                               f"deepseek_v3 selection bias, n_routed_experts={E}")
+        raise MissingTensorError(f"{path}: {p}.experts.{max(stored) + 1}.{next(k for k in spec.expert_keys if k)}.trellis not found: "
+                                 f"config.json says {ek}={E} but layer {layer_index} holds experts 0..{max(stored)}")
+    out = {"router_weight": plain(f"{p}.gate.weight", (E, H), f"router, {ek}={E}, hidden_size={H}")}
+    router = config.router_for(layer_index)
+    if router == "sqrtsp_hash":
+        V = config.vocab_size
+        out["tid2eid"] = plain(f"{p}.gate.tid2eid", (V, config.top_k), f"hash layer {layer_index} < num_hash_layers="
+                               f"{config.num_hash_layers}: vocab_size={V} x num_experts_per_tok={config.top_k}",
+                               kind="iu")
+    elif spec.bias_keys:
+        found = [k for k in spec.bias_keys if f"{p}.{k}" in src]
+        if found:
+            out["e_score_correction_bias"] = plain(f"{p}.{found[0]}", (E,), f"{router} selection bias, {ek}={E}")
+        elif spec.bias_required:
+            raise MissingTensorError(f"{path}: tensor {p}.{spec.bias_keys[0]} not found ({config.arch} "
+                                     f"{router} selection bias, {ek}={E})")
     shapes = {"gate": (H, I), "up": (H, I), "down": (I, H)}
-    for proj in _PROJS:
-        out[proj] = [_load_linear(src, f"{p}.experts.{e}.{proj}_proj", *shapes[proj], path,
-                                  f"expert {e} of num_experts={E}") for e in range(E)]
-    if config.n_shared_experts:
-        Is = config.shared_intermediate_size
+    for proj, name in zip(_PROJS, spec.expert_keys):
+        out[proj] = None if name is None else [
+            _load_linear(src, f"{p}.experts.{e}.{name}", *shapes[proj], path, f"expert {e} of {ek}={E}")
+            for e in range(E)]
+    Is = config.shared_intermediate_size
+    if Is:
         sshape = {"gate": (H, Is), "up": (H, Is), "down": (Is, H)}
-        out["shared"] = {proj: _load_linear(src, f"{p}.shared_experts.{proj}_proj", *sshape[proj], path,
-                                            f"shared experts, n_shared_experts={config.n_shared_experts} x "
-                                            f"moe_intermediate_size={I}") for proj in _PROJS}
+        why = f"shared expert, intermediate {Is} from {spec.shared}"
+        out["shared"] = {proj: None if name is None else _load_linear(
+            src, f"{p}.{spec.shared_name}.{name}", *sshape[proj], path, why)
+            for proj, name in zip(_PROJS, spec.shared_keys)}
+        if spec.shared_gate:
+            out["shared_gate_weight"] = plain(f"{p}.shared_expert_gate.weight", (1, H),
+                                              f"sigmoid gate of the shared expert, hidden_size={H}")
     return out
