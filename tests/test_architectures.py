@@ -31,6 +31,8 @@ ARCHS = {
     "dots1": dict(experts=4, top_k=2, shared_experts=2, routed_scaling_factor=1.0),
     "minimax_m2": dict(experts=4, top_k=2, routed_scaling_factor=1.0),
     "nemotron_h": dict(experts=4, top_k=2, shared_intermediate=128),
+    # Step-3.5: per-layer limits (routed 1.5, shared 0.75), both tight enough to clamp.
+    "step3p5": dict(experts=4, top_k=2, shared_intermediate=128, act_limit=1.5, routed_scaling_factor=3.0),
 }
 BLOCKS = [(arch, layer) for arch, kw in ARCHS.items() for layer in range(kw.get("layers", 1))]
 
@@ -93,7 +95,7 @@ def test_block_vulkan(ckpts, arch, layer, device):
 
 def test_routers_per_architecture(ckpts):
     want = {"mixtral": "std", "qwen3_moe": "std", "qwen3_next": "std", "deepseek_v3": "dots", "glm4_moe": "dots",
-            "dots1": "dots", "minimax_m2": "dots", "nemotron_h": "dots"}
+            "dots1": "dots", "minimax_m2": "dots", "nemotron_h": "dots", "step3p5": "dots"}
     for arch, router in want.items():
         assert SparseMoeBlock.from_checkpoint(ckpts[arch], 0, backend="cpu").router == router, arch
     v4 = [SparseMoeBlock.from_checkpoint(ckpts["deepseek_v4"], i, backend="cpu") for i in (0, 1)]
@@ -174,9 +176,29 @@ def test_act_limit_reaches_routed_and_shared_experts(ckpts):
     assert block.act_limit == 1.5 and block.moe.act_limit == 1.5
     hidden, tok = _inputs(block, 8)
     limited = block.reference(hidden, input_ids=tok)
-    block.act_limit = 0.0
+    block.act_limit = block.shared_act_limit = 0.0
     unlimited = block.reference(hidden, input_ids=tok)
     assert _rms(limited - unlimited) / _rms(unlimited) > 0.02, "swiglu_limit 1.5 should clamp these activations"
+
+
+def test_step3p5_per_layer_limits(ckpts, tmp_path):
+    block = SparseMoeBlock.from_checkpoint(ckpts["step3p5"], 0, backend="cpu")
+    assert (block.act_limit, block.shared_act_limit, block.moe.act_limit) == (1.5, 0.75, 1.5)
+    hidden, _ = _inputs(block, 8)
+    both = block.reference(hidden)
+    block.shared_act_limit = 0.0
+    routed_only = block.reference(hidden)
+    assert _rms(both - routed_only) / _rms(both) > 0.01, "the shared expert's own limit should clamp"
+    # Per layer: a config with different limits per layer gives each layer its own.
+    cfg = dict(checkpoint_config("step3p5", layers=3), swiglu_limits=[0, 7, None], swiglu_limits_shared=[1, 2, 3])
+    c = MoeConfig.from_dict(cfg)
+    assert [c.act_limits_for(i) for i in range(3)] == [(0.0, 1.0), (7.0, 2.0), (0.0, 3.0)]
+    with pytest.raises(CheckpointError, match="swiglu_limits_shared has 2 entries but num_hidden_layers=3"):
+        MoeConfig.from_dict(dict(cfg, swiglu_limits_shared=[1, 2]))
+    with pytest.raises(CheckpointError, match="missing 'swiglu_limits'"):
+        MoeConfig.from_dict({k: v for k, v in cfg.items() if k != "swiglu_limits"})
+    c = MoeConfig.from_dict(dict(cfg, moe_layers_enum="1,2"))
+    assert [c.is_moe_layer(i) for i in range(3)] == [False, True, True]
 
 
 def test_shared_expert_gate_scales_shared_output(ckpts):
@@ -213,6 +235,10 @@ def test_config_names_missing_expert_count(arch):
     cfg = checkpoint_config(arch)
     del cfg[SPECS[arch].experts_key]
     with pytest.raises(CheckpointError, match=f"missing '{SPECS[arch].experts_key}'.*{arch}"):
+        MoeConfig.from_dict(cfg)
+    cfg = checkpoint_config(arch)
+    del cfg[SPECS[arch].key("num_experts_per_tok")]
+    with pytest.raises(CheckpointError, match=f"missing '{SPECS[arch].key('num_experts_per_tok')}'"):
         MoeConfig.from_dict(cfg)
 
 
@@ -253,7 +279,7 @@ def test_nemotron_gated_activation_is_inconsistent():
         MoeConfig.from_dict(dict(checkpoint_config("nemotron_h"), mlp_hidden_act="silu"))
 
 
-@pytest.mark.parametrize("cls", ["GptOssForCausalLM", "Gemma4ForConditionalGeneration", "Step3p5ForCausalLM"])
+@pytest.mark.parametrize("cls", ["GptOssForCausalLM", "LagunaForCausalLM", "LlamaForCausalLM"])
 def test_uncovered_architecture_refused_by_name(cls):
     with pytest.raises(CheckpointError, match=f"unsupported architecture.*{cls}"):
         MoeConfig.from_dict({"architectures": [cls], "model_type": "x", "hidden_size": 256})

@@ -164,8 +164,9 @@ def checkpoint_config(arch="qwen3_moe", hidden=256, intermediate=128, experts=8,
     """The config.json dict write_checkpoint writes (HF names; every key that has an architecture default is
     written explicitly). `shared_experts`: n_shared_experts where the architecture counts them (DeepSeek,
     GLM, dots1; default 1); `shared_intermediate`: the shared MLP's width where it is its own key (Qwen3-Next,
-    NemotronH; default `intermediate`). `act_limit`: DeepSeek-V4 swiglu_limit (default 10.0, HF's);
-    `hash_layers`: DeepSeek-V4 num_hash_layers (default min(1, layers - 1): one hash layer when there are two)."""
+    NemotronH, Step-3.5; default `intermediate`). `act_limit`: DeepSeek-V4 swiglu_limit, or Step-3.5's routed
+    limit of every layer, its shared limit being half of it (default 10.0, HF's); `hash_layers`: DeepSeek-V4
+    num_hash_layers (default min(1, layers - 1): one hash layer when there are two)."""
     if arch not in SPECS:
         raise ValueError(f"arch: expected one of {', '.join(SPECS)}, got {arch!r}")
     spec = SPECS[arch]
@@ -176,10 +177,10 @@ def checkpoint_config(arch="qwen3_moe", hidden=256, intermediate=128, experts=8,
         "hidden_size": hidden,
         spec.experts_key: experts,
         spec.intermediate_key: intermediate,
-        "num_experts_per_tok": top_k,
+        spec.key("num_experts_per_tok"): top_k,
         "num_hidden_layers": layers,
         "mlp_hidden_act" if gateless else "hidden_act": hidden_act or ("relu2" if gateless else "silu"),
-        "norm_topk_prob": bool(norm_topk_prob),
+        spec.key("norm_topk_prob"): bool(norm_topk_prob),
         "vocab_size": vocab_size,
         "torch_dtype": "float16",
         "quantization_config": {"quant_method": "exl3", "bits": float(bits), "codebook": codebook,
@@ -195,9 +196,14 @@ def checkpoint_config(arch="qwen3_moe", hidden=256, intermediate=128, experts=8,
         cfg["n_shared_experts"] = 1 if shared_experts is None else shared_experts
     elif spec.shared:
         cfg[spec.shared] = intermediate if shared_intermediate is None else shared_intermediate
+    if spec.layer_rule == "enum":
+        # Step-3.5: every layer MoE here; per-layer limits, the shared expert's tighter than the routed ones.
+        limit = 10.0 if act_limit is None else float(act_limit)
+        cfg.update({"moe_layers_enum": ",".join(str(i) for i in range(layers)),
+                    "swiglu_limits": [limit] * layers, "swiglu_limits_shared": [limit / 2] * layers})
     if spec.router == "dots":
         cfg.update({"scoring_func": "sigmoid", "topk_method": "noaux_tc",
-                    "routed_scaling_factor": float(routed_scaling_factor)})
+                    spec.key("routed_scaling_factor"): float(routed_scaling_factor)})
         cfg.update(dict(zip(_DOTS_KEYS, (n_group, topk_group, 0, 1))))
         if arch == "minimax_m2":
             cfg["use_routing_bias"] = True
@@ -264,7 +270,7 @@ def _plan(cfg, codebook, bits):
         for e in range(E):
             mlp(f"{p}.experts.{e}", spec.expert_keys, I)
         if config.shared_intermediate_size:
-            mlp(f"{p}.{spec.shared_name}", spec.shared_keys, config.shared_intermediate_size)
+            mlp(spec.shared_key_prefix(layer), spec.shared_keys, config.shared_intermediate_size)
     return items
 
 

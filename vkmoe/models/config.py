@@ -44,10 +44,21 @@ class ArchSpec:
     shared: str | None = None      # None | "n_shared" (moe_intermediate x n_shared_experts) | a config key
     shared_keys: tuple = GATED_KEYS
     shared_name: str = "shared_experts"
+    shared_prefix: str | None = None  # Step-3.5 keeps its shared expert beside the block: a full template
     shared_gate: bool = False      # Qwen3-Next: sigmoid(x · shared_expert_gate) scales the shared output
     bias_keys: tuple = ()          # selection-bias keys under the prefix, first found wins
     bias_required: bool = False
-    layer_rule: str = "all"        # "all" | "sparse_step" | "first_k_dense" | "pattern"
+    layer_rule: str = "all"        # "all" | "sparse_step" | "first_k_dense" | "pattern" | "enum"
+    renames: tuple = ()            # (canonical HF key, this architecture's key) where they differ
+
+    def key(self, name: str) -> str:
+        """This architecture's config key for the canonical (DeepSeek/Qwen-style) key `name`."""
+        return dict(self.renames).get(name, name)
+
+    def shared_key_prefix(self, layer: int) -> str:
+        if self.shared_prefix:
+            return self.shared_prefix.format(layer=layer)
+        return f"{self.prefix.format(layer=layer)}.{self.shared_name}"
 
 
 SPECS = {s.name: s for s in (
@@ -77,6 +88,11 @@ SPECS = {s.name: s for s in (
              "moe_intermediate_size", expert_keys=GATELESS_KEYS, shared="moe_shared_expert_intermediate_size",
              shared_keys=GATELESS_KEYS, bias_keys=("gate.e_score_correction_bias",), bias_required=True,
              layer_rule="pattern"),
+    ArchSpec("step3p5", ("Step3p5ForCausalLM",), "dots", "model.layers.{layer}.moe", "moe_num_experts",
+             "moe_intermediate_size", shared="share_expert_dim", shared_prefix="model.layers.{layer}.share_expert",
+             bias_keys=("router_bias",), bias_required=True, layer_rule="enum",
+             renames=(("num_experts_per_tok", "moe_top_k"), ("routed_scaling_factor", "moe_router_scaling_factor"),
+                      ("norm_topk_prob", "norm_expert_weight"))),
 )}
 
 # Per architecture: defaults for keys a config may leave out, as {key: value}. Where exllamav3 and HF differ,
@@ -96,6 +112,7 @@ _DEFAULTS = {
     "minimax_m2": {"norm_topk_prob": True, "routed_scaling_factor": 1.0},
     "nemotron_h": {"norm_topk_prob": True, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.5,
                    "mlp_hidden_act": "relu2"},
+    "step3p5": {"norm_expert_weight": True, "moe_router_scaling_factor": 3.0},  # exllamav3
 }
 
 # HF `architectures` entry -> vkmoe's architecture name.
@@ -137,6 +154,9 @@ class MoeConfig:
     num_hash_layers: int = 0           # DeepSeek-V4: layers < this route by token id (tid2eid)
     vocab_size: int = 0                # rows of DeepSeek-V4's tid2eid table
     hybrid_override_pattern: str = ""  # NemotronH: 'E' marks the MoE layers
+    moe_layers: tuple = ()             # Step-3.5: the MoE layers (moe_layers_enum)
+    act_limits: tuple = ()             # Step-3.5: per-layer limits of the routed experts (swiglu_limits) ...
+    shared_act_limits: tuple = ()      # ... and of the shared expert (swiglu_limits_shared); 0/null = none
     source: str = "<dict>"
 
     @property
@@ -153,6 +173,13 @@ class MoeConfig:
         if r == "sqrtsp" and layer is not None and layer < self.num_hash_layers:
             return "sqrtsp_hash"
         return r
+
+    def act_limits_for(self, layer) -> tuple:
+        """(routed, shared) act_limit of decoder layer `layer`: per-layer lists where the architecture has
+        them (Step-3.5), else the one swiglu_limit for both (DeepSeek-V4); 0.0 = no clamp."""
+        if self.act_limits and layer is not None:
+            return self.act_limits[layer], self.shared_act_limits[layer]
+        return self.act_limit, self.act_limit
 
     @classmethod
     def from_dict(cls, cfg: dict, source: str = "<dict>") -> "MoeConfig":
@@ -174,8 +201,21 @@ class MoeConfig:
 
         def opt(name, if_null=None):
             # Absent keys take the architecture's default; an explicit null means "feature off".
+            name = spec.key(name)
             v = cfg.get(name, defaults.get(name))
             return if_null if v is None else v
+
+        def limits(name):
+            v = cfg.get(name)
+            if v is None:
+                raise CheckpointError(f"{source}: missing {name!r} (required by {arch}: one limit per layer)")
+            try:
+                out = tuple(0.0 if x is None else float(x) for x in v)
+            except (TypeError, ValueError):
+                raise CheckpointError(f"{source}: {name}={v!r} is not a list of numbers") from None
+            if any(not x >= 0 or x == float("inf") for x in out):
+                raise CheckpointError(f"{source}: {name}={v!r}: every limit must be finite and >= 0")
+            return out
 
         def as_int(name, v):
             try:
@@ -199,7 +239,8 @@ class MoeConfig:
         scoring = {"std": "softmax", "dots": "sigmoid", "sqrtsp": "sqrtsoftplus"}[spec.router]
         c = cls(arch=arch, hidden_size=as_int("hidden_size", need("hidden_size")),
                 num_experts=as_int(spec.experts_key, need(spec.experts_key)),
-                top_k=as_int("num_experts_per_tok", need("num_experts_per_tok")), moe_intermediate_size=I,
+                top_k=as_int(spec.key("num_experts_per_tok"), need(spec.key("num_experts_per_tok"))),
+                moe_intermediate_size=I,
                 hidden_act=hidden_act, norm_topk_prob=bool(opt("norm_topk_prob", True)),
                 n_shared_experts=n_shared, scoring_func=cfg.get("scoring_func") or scoring,
                 n_group=as_int("n_group", opt("n_group", 1)), topk_group=as_int("topk_group", opt("topk_group", 1)),
@@ -213,6 +254,14 @@ class MoeConfig:
                 num_hash_layers=as_int("num_hash_layers", opt("num_hash_layers", 0)),
                 vocab_size=as_int("vocab_size", cfg.get("vocab_size") or 0),
                 hybrid_override_pattern=str(cfg.get("hybrid_override_pattern") or ""), source=source)
+        if spec.layer_rule == "enum":
+            enum = need("moe_layers_enum")
+            try:
+                c.moe_layers = tuple(int(x) for x in str(enum).split(",") if x.strip())
+            except ValueError:
+                raise CheckpointError(f"{source}: moe_layers_enum={enum!r} is not a comma-separated list of layer "
+                                      "indices") from None
+            c.act_limits, c.shared_act_limits = limits("swiglu_limits"), limits("swiglu_limits_shared")
         if spec.layer_rule == "pattern" and not c.hybrid_override_pattern:
             raise CheckpointError(f"{source}: missing 'hybrid_override_pattern' (required by {arch}: 'E' marks "
                                   "the MoE layers)")
@@ -249,7 +298,7 @@ class MoeConfig:
         if self.num_experts < 1:
             raise CheckpointError(f"{src}: {spec.experts_key}={self.num_experts} must be >= 1")
         if not 1 <= self.top_k <= self.num_experts:
-            raise CheckpointError(f"{src}: num_experts_per_tok={self.top_k} must be in 1..{spec.experts_key}="
+            raise CheckpointError(f"{src}: {spec.key('num_experts_per_tok')}={self.top_k} must be in 1..{spec.experts_key}="
                                   f"{self.num_experts}")
         expected = {"std": "softmax", "dots": "sigmoid", "sqrtsp": "sqrtsoftplus"}[spec.router]
         if spec.router != "std" and self.scoring_func not in (expected, "noaux_tc"):
@@ -272,6 +321,9 @@ class MoeConfig:
             raise CheckpointError(f"{src}: num_hash_layers={self.num_hash_layers} needs 'vocab_size' (the rows "
                                   "of the tid2eid table)")
         L = self.num_hidden_layers
+        for name, lst in (("swiglu_limits", self.act_limits), ("swiglu_limits_shared", self.shared_act_limits)):
+            if lst and len(lst) < max(L, max(self.moe_layers, default=-1) + 1):
+                raise CheckpointError(f"{src}: {name} has {len(lst)} entries but num_hidden_layers={L}")
         if self.hybrid_override_pattern and L and len(self.hybrid_override_pattern) != L:
             raise CheckpointError(f"{src}: hybrid_override_pattern has {len(self.hybrid_override_pattern)} "
                                   f"entries but num_hidden_layers={L}")
@@ -286,4 +338,6 @@ class MoeConfig:
         if rule == "pattern":
             p = self.hybrid_override_pattern
             return layer < len(p) and p[layer] == "E"
+        if rule == "enum":
+            return layer in self.moe_layers
         return True

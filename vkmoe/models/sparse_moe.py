@@ -72,7 +72,7 @@ class SparseMoeBlock:
         self.gate, self.up, self.down = gate, up, down
         self.shared = shared
         self.activation = config.activation
-        self.act_limit = config.act_limit
+        self.act_limit, self.shared_act_limit = config.act_limits_for(layer_index)
         ops = ("exl3_moe_mlp", "exl3_linear") if shared else ("exl3_moe_mlp",)
         self.backend = backend or registry.select_backend(device=device, ops=ops)
         kw = {} if dispatch is None else {"dispatch": dispatch}
@@ -149,7 +149,7 @@ class SparseMoeBlock:
             g = ops["gate"](x16).astype(np.float32) if "gate" in ops else None
             # fp16 between the linears, as exllamav3's GatedMLP hands its intermediate on; the reference's
             # activation (act_limit convention of spec 8.6 included) so block and reference cannot drift apart.
-            p = ref._activate(g, u, self.activation, self.act_limit).astype(np.float16)
+            p = ref._activate(g, u, self.activation, self.shared_act_limit).astype(np.float16)
             s = ops["down"](p).astype(np.float32)
             if self.shared_gate_weight is not None:
                 s = s * _sigmoid(router_logits(x16, self.shared_gate_weight, np.float32))
@@ -197,7 +197,8 @@ def block_reference(block: SparseMoeBlock, hidden, routing=None, input_ids=None)
         s = block.shared
         u = ref.linear_forward(x, s["up"], np.float64)
         g = ref.linear_forward(x, s["gate"], np.float64) if s.get("gate") is not None else None
-        y = ref.linear_forward(ref._activate(g, u, block.activation, block.act_limit), s["down"], np.float64)
+        a = ref._activate(g, u, block.activation, block.shared_act_limit)
+        y = ref.linear_forward(a, s["down"], np.float64)
         if block.shared_gate_weight is not None:
             y = y * _sigmoid(router_logits(x, block.shared_gate_weight, np.float64))
         out = out + y
@@ -253,8 +254,9 @@ def load_block_tensors(ckpt: Checkpoint, config: MoeConfig, layer_index: int) ->
         raise CheckpointError(f"{path}: {p}.experts.{extra[0]}.* exists but config.json says {ek}={E} "
                               f"(the checkpoint holds {max(stored) + 1} experts in layer {layer_index})")
     if stored and max(stored) + 1 < E:
-        raise MissingTensorError(f"{path}: {p}.experts.{max(stored) + 1}.{next(k for k in spec.expert_keys if k)}.trellis not found: "
-                                 f"config.json says {ek}={E} but layer {layer_index} holds experts 0..{max(stored)}")
+        first = next(k for k in spec.expert_keys if k)
+        raise MissingTensorError(f"{path}: {p}.experts.{max(stored) + 1}.{first}.trellis not found: config.json "
+                                 f"says {ek}={E} but layer {layer_index} holds experts 0..{max(stored)}")
     out = {"router_weight": plain(f"{p}.gate.weight", (E, H), f"router, {ek}={E}, hidden_size={H}")}
     router = config.router_for(layer_index)
     if router == "sqrtsp_hash":
@@ -278,9 +280,10 @@ def load_block_tensors(ckpt: Checkpoint, config: MoeConfig, layer_index: int) ->
     if Is:
         sshape = {"gate": (H, Is), "up": (H, Is), "down": (Is, H)}
         why = f"shared expert, intermediate {Is} from {spec.shared}"
-        out["shared"] = {proj: None if name is None else _load_linear(
-            src, f"{p}.{spec.shared_name}.{name}", *sshape[proj], path, why)
-            for proj, name in zip(_PROJS, spec.shared_keys)}
+        sp = spec.shared_key_prefix(layer_index)
+        ssrc = src if sp.startswith(p + ".") else ckpt.subset(sp + ".")
+        out["shared"] = {proj: None if name is None else _load_linear(ssrc, f"{sp}.{name}", *sshape[proj], path, why)
+                         for proj, name in zip(_PROJS, spec.shared_keys)}
         if spec.shared_gate:
             out["shared_gate_weight"] = plain(f"{p}.shared_expert_gate.weight", (1, H),
                                               f"sigmoid gate of the shared expert, hidden_size={H}")
