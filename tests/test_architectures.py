@@ -33,6 +33,8 @@ ARCHS = {
     "nemotron_h": dict(experts=4, top_k=2, shared_intermediate=128),
     # Step-3.5: per-layer limits (routed 1.5, shared 0.75), both tight enough to clamp.
     "step3p5": dict(experts=4, top_k=2, shared_intermediate=128, act_limit=1.5, routed_scaling_factor=3.0),
+    # Gemma 4: dense MLP of its own width as the shared expert, per_expert_scale, four extra RMSNorms.
+    "gemma4": dict(experts=4, top_k=2, shared_intermediate=256),
 }
 BLOCKS = [(arch, layer) for arch, kw in ARCHS.items() for layer in range(kw.get("layers", 1))]
 
@@ -54,22 +56,28 @@ def _rms(a):
 
 
 def _inputs(block, m=8, seed=0):
+    """(hidden, call kwargs): token ids for a hash layer, the residual stream (rms ~3) for Gemma 4."""
     rng = np.random.default_rng(seed)
     hidden = rng.standard_normal((m, H)).astype(np.float16)
-    ids = rng.integers(0, block.config.vocab_size, m) if block.router == "sqrtsp_hash" else None
-    return hidden, ids
+    kw = {}
+    if block.router == "sqrtsp_hash":
+        kw["input_ids"] = rng.integers(0, block.config.vocab_size, m)
+    if block.norms is not None:
+        kw["residual"] = (3 * rng.standard_normal((m, H))).astype(np.float32)
+    return hidden, kw
 
 
 def _check(block, m=8, seed=0):
-    hidden, tok = _inputs(block, m, seed)
-    ids32, w32 = block.route(hidden, tok)
-    ids64, w64 = block.route(hidden.astype(np.float64), tok, dtype=np.float64)
+    hidden, kw = _inputs(block, m, seed)
+    ids32, w32 = block.route(hidden, **kw)
+    ids64, w64 = block.route(hidden.astype(np.float64), dtype=np.float64, **kw)
     assert np.array_equal(ids32, ids64), "fp32 routing differs from the float64 reference (no ties in random data)"
-    np.testing.assert_allclose(w32, w64, rtol=1e-5, atol=1e-6)
+    # Gemma 4's router input is rounded to fp16 (as exllamav3 does) in the block, exact in the reference.
+    np.testing.assert_allclose(w32, w64, rtol=2e-3 if block.norms is not None else 1e-5, atol=1e-6)
     out = np.full((m, H), np.nan, np.float32)  # poisoned: the block must replace every element
-    out[...] = block(hidden, input_ids=tok)
+    out[...] = block(hidden, **kw)
     assert np.all(np.isfinite(out))
-    want = block.reference(hidden, input_ids=tok)
+    want = block.reference(hidden, **kw)
     assert 0.05 < _rms(want) < 4.0, f"generated checkpoint should give outputs of rms O(0.1-1), got {_rms(want)}"
     err = _rms(out - want) / _rms(want)
     assert err < TOL, f"relative RMS error {err:.2e}"
@@ -95,7 +103,7 @@ def test_block_vulkan(ckpts, arch, layer, device):
 
 def test_routers_per_architecture(ckpts):
     want = {"mixtral": "std", "qwen3_moe": "std", "qwen3_next": "std", "deepseek_v3": "dots", "glm4_moe": "dots",
-            "dots1": "dots", "minimax_m2": "dots", "nemotron_h": "dots", "step3p5": "dots"}
+            "dots1": "dots", "minimax_m2": "dots", "nemotron_h": "dots", "step3p5": "dots", "gemma4": "std"}
     for arch, router in want.items():
         assert SparseMoeBlock.from_checkpoint(ckpts[arch], 0, backend="cpu").router == router, arch
     v4 = [SparseMoeBlock.from_checkpoint(ckpts["deepseek_v4"], i, backend="cpu") for i in (0, 1)]
@@ -140,7 +148,7 @@ def test_sqrtsp_hash_takes_ids_in_table_order():
 
 def test_hash_layer_routes_by_token_id(ckpts):
     block = SparseMoeBlock.from_checkpoint(ckpts["deepseek_v4"], 0, backend="cpu")
-    hidden, _ = _inputs(block, 4)
+    hidden = _inputs(block, 4)[0]
     tok = np.array([5, 5, 9, 0])
     ids, _ = block.route(hidden, tok)
     assert ids.tolist() == block.tid2eid[tok].tolist()
@@ -151,7 +159,7 @@ def test_hash_layer_routes_by_token_id(ckpts):
 
 def test_hash_layer_needs_input_ids(ckpts):
     block = SparseMoeBlock.from_checkpoint(ckpts["deepseek_v4"], 0, backend="cpu")
-    hidden, _ = _inputs(block, 3)
+    hidden = _inputs(block, 3)[0]
     with pytest.raises(ValueError, match="input_ids.*hash"):
         block(hidden)
     with pytest.raises(ValueError, match=r"input_ids: expected shape \(3,\)"):
@@ -174,17 +182,17 @@ def test_missing_tid2eid_names_key(tmp_path):
 def test_act_limit_reaches_routed_and_shared_experts(ckpts):
     block = SparseMoeBlock.from_checkpoint(ckpts["deepseek_v4"], 1, backend="cpu")
     assert block.act_limit == 1.5 and block.moe.act_limit == 1.5
-    hidden, tok = _inputs(block, 8)
-    limited = block.reference(hidden, input_ids=tok)
+    hidden, kw = _inputs(block, 8)
+    limited = block.reference(hidden, **kw)
     block.act_limit = block.shared_act_limit = 0.0
-    unlimited = block.reference(hidden, input_ids=tok)
+    unlimited = block.reference(hidden, **kw)
     assert _rms(limited - unlimited) / _rms(unlimited) > 0.02, "swiglu_limit 1.5 should clamp these activations"
 
 
 def test_step3p5_per_layer_limits(ckpts, tmp_path):
     block = SparseMoeBlock.from_checkpoint(ckpts["step3p5"], 0, backend="cpu")
     assert (block.act_limit, block.shared_act_limit, block.moe.act_limit) == (1.5, 0.75, 1.5)
-    hidden, _ = _inputs(block, 8)
+    hidden = _inputs(block, 8)[0]
     both = block.reference(hidden)
     block.shared_act_limit = 0.0
     routed_only = block.reference(hidden)
@@ -204,7 +212,7 @@ def test_step3p5_per_layer_limits(ckpts, tmp_path):
 def test_shared_expert_gate_scales_shared_output(ckpts):
     block = SparseMoeBlock.from_checkpoint(ckpts["qwen3_next"], 0, backend="cpu")
     assert block.shared_gate_weight.shape == (1, H) and block.shared["gate"] is not None
-    hidden, _ = _inputs(block, 6)
+    hidden = _inputs(block, 6)[0]
     gated = block(hidden)
     w = block.shared_gate_weight
     block.shared_gate_weight = None
@@ -217,6 +225,42 @@ def test_nemotron_h_gateless_relu2(ckpts):
     assert block.gate is None and block.activation == "relu2"
     assert block.shared["gate"] is None and block.shared["up"].n == 128
     assert set(block.shared_ops) == {"up", "down"}
+
+
+def test_gemma4_norms_per_expert_scale_and_residual(ckpts):
+    block = SparseMoeBlock.from_checkpoint(ckpts["gemma4"], 0, backend="cpu")
+    assert block.activation == "gelu" and block.shared["up"].n == 256 and block.per_expert_scale.shape == (4,)
+    hidden, kw = _inputs(block, 6)
+    ids, w = block.route(hidden, **kw)
+    scale = block.per_expert_scale
+    np.testing.assert_allclose((w / scale[ids]).sum(-1), 1.0, rtol=1e-5)  # renormalised, then scaled per expert
+    # The routed experts read the residual, not hidden: changing only the residual changes the routed part.
+    out = block(hidden, **kw)
+    out2 = block(hidden, residual=kw["residual"][::-1].copy())
+    assert _rms(out - out2) > 0.1
+    # Both halves are RMS-normalised before the sum: each contributes rms ~ |norm weight| ~ 1.
+    assert 1.0 < _rms(out) < 2.0
+    with pytest.raises(ValueError, match="residual: gemma4 routes"):
+        block(hidden)
+    with pytest.raises(ValueError, match=r"residual: expected a float array of the hidden's shape \(6, 256\)"):
+        block(hidden, residual=np.zeros((6, 128), np.float32))
+
+
+def test_gemma4_config_errors():
+    cfg = checkpoint_config("gemma4")
+    cfg["text_config"]["enable_moe_block"] = False
+    with pytest.raises(CheckpointError, match="enable_moe_block is not true"):
+        MoeConfig.from_dict(cfg)
+    with pytest.raises(CheckpointError, match="missing 'text_config'"):
+        MoeConfig.from_dict({k: v for k, v in cfg.items() if k != "text_config"})
+
+
+def test_gemma4_missing_norm_names_key(tmp_path):
+    key = "model.language_model.layers.0.post_feedforward_layernorm_1.weight"
+    d = write_checkpoint(str(tmp_path / "g"), arch="gemma4", hidden=128, intermediate=128, experts=2, top_k=1,
+                         omit=[key])
+    with pytest.raises(MissingTensorError, match=key.replace(".", r"\.") + ".*shared_out RMSNorm"):
+        SparseMoeBlock.from_checkpoint(d, 0, backend="cpu")
 
 
 def test_deepseek_v4_uses_native_names(ckpts):
@@ -233,11 +277,13 @@ def test_deepseek_v4_uses_native_names(ckpts):
 @pytest.mark.parametrize("arch", sorted(SPECS))
 def test_config_names_missing_expert_count(arch):
     cfg = checkpoint_config(arch)
-    del cfg[SPECS[arch].experts_key]
+    keys = cfg["text_config"] if SPECS[arch].text_config else cfg
+    del keys[SPECS[arch].experts_key]
     with pytest.raises(CheckpointError, match=f"missing '{SPECS[arch].experts_key}'.*{arch}"):
         MoeConfig.from_dict(cfg)
     cfg = checkpoint_config(arch)
-    del cfg[SPECS[arch].key("num_experts_per_tok")]
+    keys = cfg["text_config"] if SPECS[arch].text_config else cfg
+    del keys[SPECS[arch].key("num_experts_per_tok")]
     with pytest.raises(CheckpointError, match=f"missing '{SPECS[arch].key('num_experts_per_tok')}'"):
         MoeConfig.from_dict(cfg)
 
@@ -325,7 +371,8 @@ def test_tool_writes_every_architecture(tmp_path, arch):
     assert r.returncode == 0, r.stderr
     cfg = json.load(open(os.path.join(out, "config.json")))
     assert cfg["model_type"] == arch and cfg["architectures"] == list(SPECS[arch].hf_classes[:1])
-    block = SparseMoeBlock.from_checkpoint(out, cfg["num_hidden_layers"] - 1, backend="cpu")
+    layers = (cfg["text_config"] if SPECS[arch].text_config else cfg)["num_hidden_layers"]
+    block = SparseMoeBlock.from_checkpoint(out, layers - 1, backend="cpu")
     assert block.up[0].bits == 2
     if arch == "deepseek_v4":
         assert block.act_limit == 4.0 and SparseMoeBlock.from_checkpoint(out, 0, backend="cpu").router == "sqrtsp_hash"

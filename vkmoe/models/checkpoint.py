@@ -155,6 +155,7 @@ def open_checkpoint(path) -> Checkpoint:
 # ------------------------------------------------------------------------------------------- generator
 _ARCH_CLASS = {s.name: s.hf_classes[0] for s in SPECS.values()}
 _DOTS_KEYS = ("n_group", "topk_group", "first_k_dense_replace", "moe_layer_freq")
+_NATURAL_ACT = {"nemotron_h": "relu2", "gemma4": "gelu_pytorch_tanh"}  # HF act names; silu elsewhere
 
 
 def checkpoint_config(arch="qwen3_moe", hidden=256, intermediate=128, experts=8, top_k=2, layers=1, bits=4,
@@ -179,7 +180,7 @@ def checkpoint_config(arch="qwen3_moe", hidden=256, intermediate=128, experts=8,
         spec.intermediate_key: intermediate,
         spec.key("num_experts_per_tok"): top_k,
         "num_hidden_layers": layers,
-        "mlp_hidden_act" if gateless else "hidden_act": hidden_act or ("relu2" if gateless else "silu"),
+        "mlp_hidden_act" if gateless else spec.key("hidden_act"): hidden_act or _NATURAL_ACT.get(arch, "silu"),
         spec.key("norm_topk_prob"): bool(norm_topk_prob),
         "vocab_size": vocab_size,
         "torch_dtype": "float16",
@@ -212,6 +213,11 @@ def checkpoint_config(arch="qwen3_moe", hidden=256, intermediate=128, experts=8,
                     "routed_scaling_factor": float(routed_scaling_factor),
                     "num_hash_layers": min(1, layers - 1) if hash_layers is None else hash_layers,
                     "swiglu_limit": 10.0 if act_limit is None else float(act_limit)})
+    if spec.text_config:  # Gemma 4: the text model's keys nest under text_config
+        outer = ("architectures", "model_type", "torch_dtype", "quantization_config")
+        text = {k: v for k, v in cfg.items() if k not in outer}
+        cfg = {k: cfg[k] for k in outer}
+        cfg["text_config"] = dict(text, enable_moe_block=True, rms_norm_eps=1e-6)
     return cfg
 
 
@@ -255,7 +261,7 @@ def _plan(cfg, codebook, bits):
 
         def gate(rng, p=p, router=router):
             # std 1/sqrt(H): logits of O(1) for hidden of rms 1, so routing is neither uniform nor one-hot.
-            out = {f"{p}.gate.weight": (rng.standard_normal((E, H)) / math.sqrt(H)).astype(np.float16)}
+            out = {f"{p}.{spec.router_key}": (rng.standard_normal((E, H)) / math.sqrt(H)).astype(np.float16)}
             if router == "sqrtsp_hash":
                 # Distinct experts per token id, in no particular order (the table's order is the slot order).
                 table = np.argsort(rng.random((config.vocab_size, E)), axis=1)[:, :config.top_k]
@@ -265,6 +271,10 @@ def _plan(cfg, codebook, bits):
             if spec.shared_gate:
                 out[f"{p}.shared_expert_gate.weight"] = (rng.standard_normal((1, H)) / math.sqrt(H)).astype(
                     np.float16)
+            if spec.per_expert_scale_key:
+                out[f"{p}.{spec.per_expert_scale_key}"] = rng.uniform(0.5, 1.5, E).astype(np.float32)
+            for _, key in spec.norm_keys:  # RMSNorm weights near 1 with some spread, as trained ones have
+                out[f"{p}.{key}"] = rng.normal(1.0, 0.2, H).astype(np.float32)
             return out
         items.append((f"{p}.gate", gate, E * H * 2))
         for e in range(E):

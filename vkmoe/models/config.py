@@ -50,6 +50,10 @@ class ArchSpec:
     bias_required: bool = False
     layer_rule: str = "all"        # "all" | "sparse_step" | "first_k_dense" | "pattern" | "enum"
     renames: tuple = ()            # (canonical HF key, this architecture's key) where they differ
+    router_key: str = "gate.weight"
+    per_expert_scale_key: str | None = None  # Gemma 4: routing weights x this (E,) vector after renormalising
+    norm_keys: tuple = ()          # Gemma 4: (role, key) of the block's RMSNorm weights, roles in NORM_ROLES
+    text_config: bool = False      # sizes live in config.json's "text_config" (multimodal wrappers)
 
     def key(self, name: str) -> str:
         """This architecture's config key for the canonical (DeepSeek/Qwen-style) key `name`."""
@@ -93,7 +97,20 @@ SPECS = {s.name: s for s in (
              bias_keys=("router_bias",), bias_required=True, layer_rule="enum",
              renames=(("num_experts_per_tok", "moe_top_k"), ("routed_scaling_factor", "moe_router_scaling_factor"),
                       ("norm_topk_prob", "norm_expert_weight"))),
+    ArchSpec("gemma4", ("Gemma4ForConditionalGeneration",), "std", "model.language_model.layers.{layer}",
+             "num_experts", "moe_intermediate_size", shared="intermediate_size",
+             shared_prefix="model.language_model.layers.{layer}.mlp", router_key="router.proj.weight",
+             per_expert_scale_key="router.per_expert_scale", text_config=True,
+             norm_keys=(("router", "router.scale"), ("routed_in", "pre_feedforward_layernorm_2.weight"),
+                        ("routed_out", "post_feedforward_layernorm_2.weight"),
+                        ("shared_out", "post_feedforward_layernorm_1.weight")),
+             renames=(("num_experts_per_tok", "top_k_experts"), ("hidden_act", "hidden_activation"))),
 )}
+
+# Gemma 4's extra RMSNorms around its MoE block (all read the residual stream or an output, never `hidden`):
+# router = the router's pre-norm (times hidden_size**-0.5), routed_in = the routed experts' input,
+# routed_out / shared_out = post-norms of the routed sum and of the dense MLP, applied before they are added.
+NORM_ROLES = ("router", "routed_in", "routed_out", "shared_out")
 
 # Per architecture: defaults for keys a config may leave out, as {key: value}. Where exllamav3 and HF differ,
 # the comment says whose default this is; a checkpoint writer should write these keys explicitly.
@@ -113,6 +130,7 @@ _DEFAULTS = {
     "nemotron_h": {"norm_topk_prob": True, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.5,
                    "mlp_hidden_act": "relu2"},
     "step3p5": {"norm_expert_weight": True, "moe_router_scaling_factor": 3.0},  # exllamav3
+    "gemma4": {"norm_topk_prob": True, "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6},
 }
 
 # HF `architectures` entry -> vkmoe's architecture name.
@@ -157,6 +175,7 @@ class MoeConfig:
     moe_layers: tuple = ()             # Step-3.5: the MoE layers (moe_layers_enum)
     act_limits: tuple = ()             # Step-3.5: per-layer limits of the routed experts (swiglu_limits) ...
     shared_act_limits: tuple = ()      # ... and of the shared expert (swiglu_limits_shared); 0/null = none
+    rms_norm_eps: float = 1e-6         # Gemma 4's block norms
     source: str = "<dict>"
 
     @property
@@ -193,6 +212,14 @@ class MoeConfig:
                     + ", ".join(f"{k} ({v})" for k, v in ARCHITECTURES.items()))
             arch = archs[0]
         spec, defaults = SPECS[arch], _DEFAULTS[arch]
+        if spec.text_config:
+            text = cfg.get("text_config")
+            if not isinstance(text, dict):
+                raise CheckpointError(f"{source}: missing 'text_config' (required by {arch}: it holds the sizes)")
+            if not text.get("enable_moe_block", False):
+                raise CheckpointError(f"{source}: text_config.enable_moe_block is not true: this {arch} model has "
+                                      "no MoE blocks")
+            cfg = {**cfg, **text}
 
         def need(name):
             if cfg.get(name) is None:
@@ -223,8 +250,8 @@ class MoeConfig:
             except (TypeError, ValueError):
                 raise CheckpointError(f"{source}: {name}={v!r} is not an integer") from None
 
-        act_key = "mlp_hidden_act" if arch == "nemotron_h" else "hidden_act"
-        hidden_act = opt(act_key, "silu")
+        act_key = "mlp_hidden_act" if arch == "nemotron_h" else spec.key("hidden_act")
+        hidden_act = cfg.get(act_key, defaults.get(act_key)) or "silu"
         if hidden_act not in ACTIVATION_BY_HF_ACT:
             raise CheckpointError(f"{source}: {act_key}={hidden_act!r} is not supported; supported: "
                                   + ", ".join(ACTIVATION_BY_HF_ACT))
@@ -253,7 +280,8 @@ class MoeConfig:
                 shared_intermediate_size=shared_i, act_limit=float(opt("swiglu_limit", 0.0)),
                 num_hash_layers=as_int("num_hash_layers", opt("num_hash_layers", 0)),
                 vocab_size=as_int("vocab_size", cfg.get("vocab_size") or 0),
-                hybrid_override_pattern=str(cfg.get("hybrid_override_pattern") or ""), source=source)
+                hybrid_override_pattern=str(cfg.get("hybrid_override_pattern") or ""),
+                rms_norm_eps=float(opt("rms_norm_eps", 1e-6)), source=source)
         if spec.layer_rule == "enum":
             enum = need("moe_layers_enum")
             try:

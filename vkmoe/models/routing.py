@@ -34,9 +34,10 @@ def topk_desc(scores: np.ndarray, k: int) -> np.ndarray:
     return np.argsort(-scores, axis=-1, kind="stable")[..., :k].astype(np.int64)
 
 
-def softmax_topk(logits, top_k: int, norm_topk_prob: bool):
+def softmax_topk(logits, top_k: int, norm_topk_prob: bool, per_expert_scale=None):
     """std: softmax over all E logits, top-k, optional renormalisation over the top-k (with renormalisation
-    this is exllamav3's "softmax over the top-k logits")."""
+    this is exllamav3's "softmax over the top-k logits"); `per_expert_scale` ((E,) or None, Gemma 4) then
+    multiplies each weight by its expert's scale."""
     z = np.asarray(logits)
     z = z - z.max(axis=-1, keepdims=True)
     p = np.exp(z)
@@ -45,6 +46,8 @@ def softmax_topk(logits, top_k: int, norm_topk_prob: bool):
     w = np.take_along_axis(p, ids, axis=-1)
     if norm_topk_prob:
         w = w / w.sum(axis=-1, keepdims=True)
+    if per_expert_scale is not None:
+        w = w * np.asarray(per_expert_scale).astype(w.dtype)[ids]
     return ids, w
 
 

@@ -17,7 +17,7 @@ from .. import registry
 from ..exl3 import load_exl3_tensor
 from ..exl3 import reference as ref
 from .checkpoint import Checkpoint
-from .config import CheckpointError, MissingTensorError, MoeConfig
+from .config import NORM_ROLES, CheckpointError, MissingTensorError, MoeConfig
 from .routing import router_logits, sigmoid_group_topk, softmax_topk, sqrtsp_hash, sqrtsp_topk
 
 __all__ = ["SparseMoeBlock", "block_reference", "load_block_tensors"]
@@ -29,6 +29,12 @@ def _sigmoid(x):
     return 1.0 / (1.0 + np.exp(-x))
 
 
+def _rms_norm(x, weight, eps, dtype):
+    """x / sqrt(mean(x²) + eps) · weight per row, in `dtype` (exllamav3's RMSNorm without a constant bias)."""
+    xf = np.asarray(x).astype(dtype)
+    return xf / np.sqrt(np.mean(xf * xf, axis=-1, keepdims=True) + dtype.type(eps)) * weight.astype(dtype)
+
+
 class SparseMoeBlock:
     """Router + routed experts (+ shared experts). Construct with from_checkpoint(), or directly from arrays.
 
@@ -36,13 +42,18 @@ class SparseMoeBlock:
     bias of dots/sqrtsp routers); gate/up/down: lists of E Exl3Tensor (gate None for gateless relu2 experts);
     shared: None or {"gate", "up", "down"} Exl3Tensor (one dense MLP; "gate" None when relu2);
     shared_gate_weight: None or (1, H) (Qwen3-Next: the shared output is scaled by sigmoid(x · w));
-    tid2eid: None or (vocab, top_k) int table (DeepSeek-V4 hash layers: expert ids by token id).
-    The router family is config.router_for(layer_index); a hash layer needs `input_ids` at call time.
+    tid2eid: None or (vocab, top_k) int table (DeepSeek-V4 hash layers: expert ids by token id);
+    per_expert_scale: None or (E,) (Gemma 4); norms: None or {role: (H,) RMSNorm weight} for every role in
+    config.NORM_ROLES (Gemma 4).
+    The router family is config.router_for(layer_index); a hash layer needs `input_ids` at call time. With
+    `norms` (Gemma 4) `hidden` is the dense MLP's input and the router and routed experts read the residual
+    stream, so the call needs `residual` (m, H) too: out = post_norm(routed(pre_norm(residual))) +
+    post_norm(shared(hidden)).
     """
 
     def __init__(self, config: MoeConfig, router_weight, gate, up, down, e_score_correction_bias=None,
-                 shared=None, shared_gate_weight=None, tid2eid=None, layer_index=None, device=None, backend=None,
-                 dispatch=None):
+                 shared=None, shared_gate_weight=None, tid2eid=None, per_expert_scale=None, norms=None,
+                 layer_index=None, device=None, backend=None, dispatch=None):
         self.config = config
         self.layer_index = layer_index
         self.router = config.router_for(layer_index)
@@ -69,6 +80,20 @@ class SparseMoeBlock:
             if sg.shape != (1, H):
                 raise CheckpointError(f"shared_expert_gate: expected shape (1, {H}), got {sg.shape}")
             self.shared_gate_weight = sg
+        self.per_expert_scale = None
+        if per_expert_scale is not None:
+            pes = np.asarray(per_expert_scale)
+            if pes.shape != (E,):
+                raise CheckpointError(f"per_expert_scale: expected shape ({E},), got {pes.shape}")
+            self.per_expert_scale = pes
+        self.norms = None
+        if norms is not None:
+            if set(norms) != set(NORM_ROLES):
+                raise CheckpointError(f"norms: expected the roles {', '.join(NORM_ROLES)}, got {', '.join(norms)}")
+            for role, wt in norms.items():
+                if np.shape(wt) != (H,):
+                    raise CheckpointError(f"norms[{role!r}]: expected shape ({H},), got {np.shape(wt)}")
+            self.norms = {role: np.asarray(wt) for role, wt in norms.items()}
         self.gate, self.up, self.down = gate, up, down
         self.shared = shared
         self.activation = config.activation
@@ -118,14 +143,40 @@ class SparseMoeBlock:
                              f"[{t.min()}, {t.max()}]")
         return self.tid2eid[t]
 
-    def route(self, hidden, input_ids=None, dtype=np.float32):
+    def _residual(self, residual, hidden):
+        if residual is None:
+            raise ValueError(f"residual: {self.config.arch} routes and feeds its routed experts from the residual "
+                             "stream; call block(hidden, residual=...) with the (m, H) pre-norm residual")
+        r = np.asarray(residual)
+        if r.shape != hidden.shape or r.dtype.kind != "f":
+            raise ValueError(f"residual: expected a float array of the hidden's shape {hidden.shape}, got "
+                             f"{r.dtype} {r.shape}")
+        return r
+
+    def _norm(self, role, x, dtype):
+        return _rms_norm(x, self.norms[role], self.config.rms_norm_eps, np.dtype(dtype))
+
+    def _router_input(self, hidden, residual, dt):
+        if self.norms is None:
+            return hidden
+        z = self._norm("router", self._residual(residual, hidden), dt) * dt.type(self.config.hidden_size ** -0.5)
+        # exllamav3 hands the router an fp16 input; the float64 reference keeps it exact.
+        return z.astype(np.float16) if dt == np.float32 else z
+
+    def _expert_input(self, hidden, residual):
+        """fp16 input of the routed experts: hidden, or (Gemma 4) the normed residual."""
+        if self.norms is None:
+            return np.ascontiguousarray(hidden, dtype=np.float16)
+        return self._norm("routed_in", self._residual(residual, hidden), np.float32).astype(np.float16)
+
+    def route(self, hidden, input_ids=None, dtype=np.float32, residual=None):
         """(expert ids int64 (m, top_k), routing weights (m, top_k) in `dtype`), router math in `dtype`."""
         c = self.config
         dt = np.dtype(dtype)
         w = self.router_weight if dt == np.float32 else self._router_weight_src
-        logits = router_logits(hidden, w, dt)
+        logits = router_logits(self._router_input(hidden, residual, dt), w, dt)
         if self.router == "std":
-            ids, wts = softmax_topk(logits, c.top_k, c.norm_topk_prob)
+            ids, wts = softmax_topk(logits, c.top_k, c.norm_topk_prob, self.per_expert_scale)
         elif self.router == "dots":
             ids, wts = sigmoid_group_topk(logits, self.e_bias, c.top_k, c.n_group, c.topk_group, c.norm_topk_prob,
                                           c.routed_scaling_factor)
@@ -135,14 +186,16 @@ class SparseMoeBlock:
             ids, wts = sqrtsp_hash(logits, self._hash_ids(input_ids, logits.shape[0]), c.routed_scaling_factor)
         return ids, wts.astype(dt)
 
-    def __call__(self, hidden, input_ids=None) -> np.ndarray:
+    def __call__(self, hidden, input_ids=None, residual=None) -> np.ndarray:
         h = self._check_hidden(hidden)
         m = h.shape[0]
         if m == 0:
             return np.zeros((0, self.config.hidden_size), np.float32)
-        ids, wts = self.route(h, input_ids)
+        ids, wts = self.route(h, input_ids, residual=residual)
         x16 = np.ascontiguousarray(h, dtype=np.float16)
-        out = np.asarray(self.moe(x16, ids, wts.astype(np.float32)), dtype=np.float32)
+        out = np.asarray(self.moe(self._expert_input(h, residual), ids, wts.astype(np.float32)), dtype=np.float32)
+        if self.norms is not None:
+            out = self._norm("routed_out", out, np.float32)
         if self.shared_ops:
             ops = self.shared_ops
             u = ops["up"](x16).astype(np.float32)
@@ -153,6 +206,8 @@ class SparseMoeBlock:
             s = ops["down"](p).astype(np.float32)
             if self.shared_gate_weight is not None:
                 s = s * _sigmoid(router_logits(x16, self.shared_gate_weight, np.float32))
+            if self.norms is not None:
+                s = self._norm("shared_out", s, np.float32)
             out = out + s
         return out
 
@@ -160,9 +215,9 @@ class SparseMoeBlock:
     def last_run(self):
         return getattr(self.moe, "last_run", None)
 
-    def reference(self, hidden, routing=None, input_ids=None) -> np.ndarray:
+    def reference(self, hidden, routing=None, input_ids=None, residual=None) -> np.ndarray:
         """The whole block in float64 (router included) with vkmoe.exl3.reference; (m, H) float64."""
-        return block_reference(self, hidden, routing, input_ids)
+        return block_reference(self, hidden, routing, input_ids, residual)
 
     def __repr__(self):
         c = self.config
@@ -184,15 +239,22 @@ def _check_tid2eid(tid2eid, config):
     return t.astype(np.int64)
 
 
-def block_reference(block: SparseMoeBlock, hidden, routing=None, input_ids=None) -> np.ndarray:
+def block_reference(block: SparseMoeBlock, hidden, routing=None, input_ids=None, residual=None) -> np.ndarray:
     """float64 version of `block(hidden, input_ids)`: float64 router (unless `routing` = (ids, weights) is
     given), experts on the fp16-rounded hidden (what the block feeds its experts) through
     vkmoe.exl3.reference, no fp16 intermediates."""
     h = block._check_hidden(hidden)
-    ids, wts = routing if routing is not None else block.route(h.astype(np.float64), input_ids, dtype=np.float64)
+    f64 = np.dtype(np.float64)
+    if routing is None:
+        r64 = None if residual is None else np.asarray(residual, np.float64)
+        routing = block.route(h.astype(np.float64), input_ids, dtype=f64, residual=r64)
+    ids, wts = routing
     x = h.astype(np.float16).astype(np.float64)
-    out = ref.moe_forward(x, ids, np.asarray(wts, np.float64), block.gate, block.up, block.down,
+    xe = block._expert_input(h, residual).astype(np.float64)  # the experts' fp16 input, as the block feeds them
+    out = ref.moe_forward(xe, ids, np.asarray(wts, np.float64), block.gate, block.up, block.down,
                           activation=block.activation, act_limit=block.act_limit, dtype=np.float64)
+    if block.norms is not None:
+        out = block._norm("routed_out", out, f64)
     if block.shared:
         s = block.shared
         u = ref.linear_forward(x, s["up"], np.float64)
@@ -201,6 +263,8 @@ def block_reference(block: SparseMoeBlock, hidden, routing=None, input_ids=None)
         y = ref.linear_forward(a, s["down"], np.float64)
         if block.shared_gate_weight is not None:
             y = y * _sigmoid(router_logits(x, block.shared_gate_weight, np.float64))
+        if block.norms is not None:
+            y = block._norm("shared_out", y, f64)
         out = out + y
     return out
 
@@ -257,7 +321,12 @@ def load_block_tensors(ckpt: Checkpoint, config: MoeConfig, layer_index: int) ->
         first = next(k for k in spec.expert_keys if k)
         raise MissingTensorError(f"{path}: {p}.experts.{max(stored) + 1}.{first}.trellis not found: config.json "
                                  f"says {ek}={E} but layer {layer_index} holds experts 0..{max(stored)}")
-    out = {"router_weight": plain(f"{p}.gate.weight", (E, H), f"router, {ek}={E}, hidden_size={H}")}
+    out = {"router_weight": plain(f"{p}.{spec.router_key}", (E, H), f"router, {ek}={E}, hidden_size={H}")}
+    if spec.per_expert_scale_key:
+        out["per_expert_scale"] = plain(f"{p}.{spec.per_expert_scale_key}", (E,), f"router, {ek}={E}")
+    if spec.norm_keys:
+        out["norms"] = {role: plain(f"{p}.{key}", (H,), f"{role} RMSNorm weight, hidden_size={H}")
+                        for role, key in spec.norm_keys}
     router = config.router_for(layer_index)
     if router == "sqrtsp_hash":
         V = config.vocab_size
