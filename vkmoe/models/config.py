@@ -326,8 +326,8 @@ class MoeConfig:
         if self.num_experts < 1:
             raise CheckpointError(f"{src}: {spec.experts_key}={self.num_experts} must be >= 1")
         if not 1 <= self.top_k <= self.num_experts:
-            raise CheckpointError(f"{src}: {spec.key('num_experts_per_tok')}={self.top_k} must be in 1..{spec.experts_key}="
-                                  f"{self.num_experts}")
+            raise CheckpointError(f"{src}: {spec.key('num_experts_per_tok')}={self.top_k} must be in "
+                                  f"1..{spec.experts_key}={self.num_experts}")
         expected = {"std": "softmax", "dots": "sigmoid", "sqrtsp": "sqrtsoftplus"}[spec.router]
         if spec.router != "std" and self.scoring_func not in (expected, "noaux_tc"):
             raise CheckpointError(f"{src}: scoring_func={self.scoring_func!r}; {self.arch} supports {expected!r}")
