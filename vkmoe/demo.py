@@ -1,5 +1,5 @@
 """`python -m vkmoe demo`: one random Qwen3-30B-A3B-shaped EXL3 MoE layer on the Vulkan device, checked against
-the CPU tier.
+the CPU tier; then generated Qwen3-MoE and DeepSeek-V4-shaped checkpoints through SparseMoeBlock.
 
 Shape: hidden 2048, intermediate 768, top-8, 4-bit mul1 (as Qwen3-30B-A3B at 4 bpw), but only a few experts
 (16 by default, the model has 128) so that it stays quick on lavapipe. Any uint16 trellis is a valid EXL3
