@@ -33,6 +33,8 @@ ARCHS = {
     "nemotron_h": dict(experts=4, top_k=2, shared_intermediate=128),
     # Step-3.5: per-layer limits (routed 1.5, shared 0.75), both tight enough to clamp.
     "step3p5": dict(experts=4, top_k=2, shared_intermediate=128, act_limit=1.5, routed_scaling_factor=3.0),
+    # Laguna: interm_div 128 on the routed experts.
+    "laguna": dict(experts=4, top_k=2, shared_intermediate=128, routed_scaling_factor=2.0),
     # Gemma 4: dense MLP of its own width as the shared expert, per_expert_scale, four extra RMSNorms.
     "gemma4": dict(experts=4, top_k=2, shared_intermediate=256),
 }
@@ -103,7 +105,8 @@ def test_block_vulkan(ckpts, arch, layer, device):
 
 def test_routers_per_architecture(ckpts):
     want = {"mixtral": "std", "qwen3_moe": "std", "qwen3_next": "std", "deepseek_v3": "dots", "glm4_moe": "dots",
-            "dots1": "dots", "minimax_m2": "dots", "nemotron_h": "dots", "step3p5": "dots", "gemma4": "std"}
+            "dots1": "dots", "minimax_m2": "dots", "nemotron_h": "dots", "step3p5": "dots", "gemma4": "std",
+            "laguna": "dots"}
     for arch, router in want.items():
         assert SparseMoeBlock.from_checkpoint(ckpts[arch], 0, backend="cpu").router == router, arch
     v4 = [SparseMoeBlock.from_checkpoint(ckpts["deepseek_v4"], i, backend="cpu") for i in (0, 1)]
@@ -263,6 +266,24 @@ def test_gemma4_missing_norm_names_key(tmp_path):
         SparseMoeBlock.from_checkpoint(d, 0, backend="cpu")
 
 
+def test_laguna_interm_div_is_exact(ckpts):
+    from vkmoe.models import Checkpoint, load_block_tensors
+    c = MoeConfig.from_file(ckpts["laguna"])
+    assert c.interm_div == 128.0 and c.mlp_only_layers == []  # the writer says so explicitly (default [0])
+    tensors = load_block_tensors(Checkpoint(ckpts["laguna"]), c, 0)
+    block = SparseMoeBlock(c, layer_index=0, backend="cpu", **tensors)
+    for e, t in enumerate(tensors["up"]):
+        assert np.array_equal(block.up[e].svh.astype(np.float32) * 128, t.svh.astype(np.float32))
+    c.interm_div = 0.0
+    plain = SparseMoeBlock(c, layer_index=0, backend="cpu", **tensors)
+    hidden = _inputs(block, 6)[0]
+    divided, undivided = block.reference(hidden), plain.reference(hidden)
+    assert _rms(divided - undivided) / _rms(undivided) < 1e-12  # the same function in exact arithmetic
+    assert _rms(block(hidden) - undivided) / _rms(undivided) < TOL
+    assert MoeConfig.from_dict({k: v for k, v in checkpoint_config("laguna", layers=2).items()
+                                if k != "mlp_only_layers"}).is_moe_layer(0) is False
+
+
 def test_deepseek_v4_uses_native_names(ckpts):
     keys = set(json.load(open(os.path.join(ckpts["deepseek_v4"], "config.json"))))
     assert {"swiglu_limit", "num_hash_layers", "n_routed_experts", "vocab_size"} <= keys
@@ -325,7 +346,7 @@ def test_nemotron_gated_activation_is_inconsistent():
         MoeConfig.from_dict(dict(checkpoint_config("nemotron_h"), mlp_hidden_act="silu"))
 
 
-@pytest.mark.parametrize("cls", ["GptOssForCausalLM", "LagunaForCausalLM", "LlamaForCausalLM"])
+@pytest.mark.parametrize("cls", ["GptOssForCausalLM", "Mistral3ForConditionalGeneration", "LlamaForCausalLM"])
 def test_uncovered_architecture_refused_by_name(cls):
     with pytest.raises(CheckpointError, match=f"unsupported architecture.*{cls}"):
         MoeConfig.from_dict({"architectures": [cls], "model_type": "x", "hidden_size": 256})

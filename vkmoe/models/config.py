@@ -54,6 +54,7 @@ class ArchSpec:
     per_expert_scale_key: str | None = None  # Gemma 4: routing weights x this (E,) vector after renormalising
     norm_keys: tuple = ()          # Gemma 4: (role, key) of the block's RMSNorm weights, roles in NORM_ROLES
     text_config: bool = False      # sizes live in config.json's "text_config" (multimodal wrappers)
+    interm_div: float = 0.0        # Laguna: routed up projections / this, routing weights x this (fp16 guard)
 
     def key(self, name: str) -> str:
         """This architecture's config key for the canonical (DeepSeek/Qwen-style) key `name`."""
@@ -97,6 +98,10 @@ SPECS = {s.name: s for s in (
              bias_keys=("router_bias",), bias_required=True, layer_rule="enum",
              renames=(("num_experts_per_tok", "moe_top_k"), ("routed_scaling_factor", "moe_router_scaling_factor"),
                       ("norm_topk_prob", "norm_expert_weight"))),
+    ArchSpec("laguna", ("LagunaForCausalLM",), "dots", "model.layers.{layer}.mlp", "num_experts",
+             "moe_intermediate_size", shared="shared_expert_intermediate_size", shared_name="shared_expert",
+             bias_keys=("experts.e_score_correction_bias",), bias_required=True, layer_rule="sparse_step",
+             renames=(("routed_scaling_factor", "moe_routed_scaling_factor"),), interm_div=128.0),
     ArchSpec("gemma4", ("Gemma4ForConditionalGeneration",), "std", "model.language_model.layers.{layer}",
              "num_experts", "moe_intermediate_size", shared="intermediate_size",
              shared_prefix="model.language_model.layers.{layer}.mlp", router_key="router.proj.weight",
@@ -130,6 +135,8 @@ _DEFAULTS = {
     "nemotron_h": {"norm_topk_prob": True, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.5,
                    "mlp_hidden_act": "relu2"},
     "step3p5": {"norm_expert_weight": True, "moe_router_scaling_factor": 3.0},  # exllamav3
+    "laguna": {"norm_topk_prob": True, "moe_routed_scaling_factor": 1.0, "decoder_sparse_step": 1,
+               "mlp_only_layers": [0]},  # exllamav3: layer 0 is dense unless the config says otherwise
     "gemma4": {"norm_topk_prob": True, "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6},
 }
 
@@ -176,6 +183,7 @@ class MoeConfig:
     act_limits: tuple = ()             # Step-3.5: per-layer limits of the routed experts (swiglu_limits) ...
     shared_act_limits: tuple = ()      # ... and of the shared expert (swiglu_limits_shared); 0/null = none
     rms_norm_eps: float = 1e-6         # Gemma 4's block norms
+    interm_div: float = 0.0            # Laguna: see ArchSpec.interm_div; 0 = none
     source: str = "<dict>"
 
     @property
@@ -275,13 +283,13 @@ class MoeConfig:
                 first_k_dense_replace=as_int("first_k_dense_replace", opt("first_k_dense_replace", 0)),
                 moe_layer_freq=as_int("moe_layer_freq", opt("moe_layer_freq", 1)),
                 decoder_sparse_step=as_int("decoder_sparse_step", opt("decoder_sparse_step", 1) or 1),
-                mlp_only_layers=list(cfg.get("mlp_only_layers") or ()),
+                mlp_only_layers=list(opt("mlp_only_layers", ())),
                 num_hidden_layers=as_int("num_hidden_layers", cfg.get("num_hidden_layers") or 0),
                 shared_intermediate_size=shared_i, act_limit=float(opt("swiglu_limit", 0.0)),
                 num_hash_layers=as_int("num_hash_layers", opt("num_hash_layers", 0)),
                 vocab_size=as_int("vocab_size", cfg.get("vocab_size") or 0),
                 hybrid_override_pattern=str(cfg.get("hybrid_override_pattern") or ""),
-                rms_norm_eps=float(opt("rms_norm_eps", 1e-6)), source=source)
+                rms_norm_eps=float(opt("rms_norm_eps", 1e-6)), interm_div=spec.interm_div, source=source)
         if spec.layer_rule == "enum":
             enum = need("moe_layers_enum")
             try:

@@ -14,7 +14,7 @@ import re
 import numpy as np
 
 from .. import registry
-from ..exl3 import load_exl3_tensor
+from ..exl3 import Exl3Tensor, load_exl3_tensor
 from ..exl3 import reference as ref
 from .checkpoint import Checkpoint
 from .config import NORM_ROLES, CheckpointError, MissingTensorError, MoeConfig
@@ -27,6 +27,16 @@ _PROJS = ("gate", "up", "down")
 
 def _sigmoid(x):
     return 1.0 / (1.0 + np.exp(-x))
+
+
+def _divide_output(t, div):
+    """A copy of Exl3Tensor `t` whose output is t's / div (div a power of two: svh / div is exact in fp16
+    unless it falls below fp16's normal range, which is refused rather than silently rounded)."""
+    svh = (t.svh.astype(np.float32) / np.float32(div)).astype(np.float16)
+    if not np.array_equal(svh.astype(np.float32) * np.float32(div), t.svh.astype(np.float32)):
+        raise CheckpointError(f"interm_div={div:g}: an up projection's svh has values too small to divide exactly "
+                              "in fp16")
+    return Exl3Tensor(t.trellis, t.suh, svh, codebook=t.codebook, bias=None if t.bias is None else t.bias / div)
 
 
 def _rms_norm(x, weight, eps, dtype):
@@ -94,6 +104,11 @@ class SparseMoeBlock:
                 if np.shape(wt) != (H,):
                     raise CheckpointError(f"norms[{role!r}]: expected shape ({H},), got {np.shape(wt)}")
             self.norms = {role: np.asarray(wt) for role, wt in norms.items()}
+        # interm_div (Laguna): the routed experts compute u/div (their fp16 products would overflow) and the
+        # routing weights carry div back; exact since the down projection is linear and div a power of two.
+        self.interm_div = config.interm_div
+        if self.interm_div:
+            up = [_divide_output(t, self.interm_div) for t in up]
         self.gate, self.up, self.down = gate, up, down
         self.shared = shared
         self.activation = config.activation
@@ -193,7 +208,8 @@ class SparseMoeBlock:
             return np.zeros((0, self.config.hidden_size), np.float32)
         ids, wts = self.route(h, input_ids, residual=residual)
         x16 = np.ascontiguousarray(h, dtype=np.float16)
-        out = np.asarray(self.moe(self._expert_input(h, residual), ids, wts.astype(np.float32)), dtype=np.float32)
+        out = np.asarray(self.moe(self._expert_input(h, residual), ids, self._op_weights(wts).astype(np.float32)),
+                         dtype=np.float32)
         if self.norms is not None:
             out = self._norm("routed_out", out, np.float32)
         if self.shared_ops:
@@ -210,6 +226,10 @@ class SparseMoeBlock:
                 s = self._norm("shared_out", s, np.float32)
             out = out + s
         return out
+
+    def _op_weights(self, wts):
+        """Routing weights as the routed-expert op takes them (times interm_div where the ups are divided)."""
+        return wts * wts.dtype.type(self.interm_div) if self.interm_div else wts
 
     @property
     def last_run(self):
@@ -251,7 +271,7 @@ def block_reference(block: SparseMoeBlock, hidden, routing=None, input_ids=None,
     ids, wts = routing
     x = h.astype(np.float16).astype(np.float64)
     xe = block._expert_input(h, residual).astype(np.float64)  # the experts' fp16 input, as the block feeds them
-    out = ref.moe_forward(xe, ids, np.asarray(wts, np.float64), block.gate, block.up, block.down,
+    out = ref.moe_forward(xe, ids, block._op_weights(np.asarray(wts, np.float64)), block.gate, block.up, block.down,
                           activation=block.activation, act_limit=block.act_limit, dtype=np.float64)
     if block.norms is not None:
         out = block._norm("routed_out", out, f64)
