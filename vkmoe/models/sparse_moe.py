@@ -139,7 +139,7 @@ class SparseMoeBlock:
         if h.ndim != 2 or h.shape[1] != H:
             raise ValueError(f"hidden: expected shape (m, {H}), got {h.shape}")
         if h.dtype not in (np.float16, np.float32, np.float64):
-            raise TypeError(f"hidden: expected float16 or float32, got dtype {h.dtype}")
+            raise TypeError(f"hidden: expected float16, float32 or float64, got dtype {h.dtype}")
         return h
 
     def _hash_ids(self, input_ids, m):
