@@ -341,6 +341,11 @@ def test_nemotron_pattern_selects_moe_layers():
         MoeConfig.from_dict({k: v for k, v in cfg.items() if k != "hybrid_override_pattern"})
 
 
+def test_nemotron_latent_moe_refused():
+    with pytest.raises(CheckpointError, match="moe_latent_size=64: NemotronH's latent MoE"):
+        MoeConfig.from_dict(dict(checkpoint_config("nemotron_h"), moe_latent_size=64))
+
+
 def test_nemotron_gated_activation_is_inconsistent():
     with pytest.raises(CheckpointError, match="mlp_hidden_act.*|silu.*gateless"):
         MoeConfig.from_dict(dict(checkpoint_config("nemotron_h"), mlp_hidden_act="silu"))

@@ -229,6 +229,10 @@ class MoeConfig:
                                       "no MoE blocks")
             cfg = {**cfg, **text}
 
+        if arch == "nemotron_h" and cfg.get("moe_latent_size"):
+            raise CheckpointError(f"{source}: moe_latent_size={cfg['moe_latent_size']}: NemotronH's latent MoE "
+                                  "(experts behind fc1/fc2_latent_proj) is not supported")
+
         def need(name):
             if cfg.get(name) is None:
                 raise CheckpointError(f"{source}: missing {name!r} (required by {arch})")
