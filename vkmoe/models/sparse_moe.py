@@ -2,8 +2,10 @@
 
     block = SparseMoeBlock.from_checkpoint("model_dir", layer_index=3)      # backend chosen by vkmoe.registry
     y = block(hidden)            # (m, H) fp16/fp32 -> (m, H) float32
+    y = block(hidden, input_ids=ids)      # DeepSeek-V4 hash layers (experts from tid2eid[token id])
+    y = block(hidden, residual=r)         # Gemma 4 (router and routed experts read the residual stream)
 
-router (numpy, fp32) -> routed experts through the registered `exl3_moe_mlp` (+ shared experts through
+router (numpy, fp32; families in vkmoe.models.routing) -> routed experts through the registered `exl3_moe_mlp` (+ shared experts through
 `exl3_linear`, where the architecture has them). `block.reference(hidden)` is the same block in float64 with
 vkmoe.exl3.reference, for tests.
 """
