@@ -1,5 +1,5 @@
 """`vkmoe demo`: one random Qwen3-30B-A3B-shaped EXL3 MoE layer on the Vulkan device, checked against the CPU
-tier.
+tier; then generated Qwen3-MoE and DeepSeek-V4-shaped checkpoints through SparseMoeBlock.
 
 Shape: hidden 2048, intermediate 768, top-8, 4-bit mul1 (as Qwen3-30B-A3B at 4 bpw), but only a few experts
 (16 by default, the model has 128) so that it stays quick on lavapipe. The layer and routing come from
@@ -109,6 +109,7 @@ def run(device=None, experts=16, tokens=4, seed=0, out=None):
       + ("" if finite else ", NOT FINITE"))
     p(f"  vs CPU tier:   relative RMS error {err:.2e} (tolerance {TOLERANCE:.0e})")
     block_ok = run_block(device, experts, tokens, seed, p)
+    block_ok = run_deepseek_v4_blocks(device, tokens, seed, p) and block_ok
     p(f"  total:         {time.perf_counter() - t0:.1f} s")
     ok = ok and block_ok
     p("PASS" if ok else "FAIL")
@@ -152,4 +153,45 @@ def run_block(device, experts, tokens, seed, p):
       + (f" ({_dispatch_note(run_info)})" if _dispatch_note(run_info) else ""))
     p(f"  block time:    {wall_ms:.1f} ms wall" + (f", experts {gpu:.3f} ms GPU" if gpu is not None else ""))
     p(f"  block vs CPU:  relative RMS error {err:.2e} (tolerance {TOLERANCE:.0e})" + ("" if finite else ", NOT FINITE"))
+    return ok
+
+
+# DeepSeek-V4's MoE block shape, scaled down for lavapipe: sqrt(softplus) routing with a selection bias,
+# swiglu_limit on routed and shared experts, one shared expert; layer 0 is a hash layer (experts by token id).
+DSV4 = dict(arch="deepseek_v4", hidden=1024, intermediate=256, experts=16, top_k=6, layers=2, hash_layers=1,
+            act_limit=10.0, shared_experts=1, routed_scaling_factor=1.5, vocab_size=1000)
+
+
+def run_deepseek_v4_blocks(device, tokens, seed, p):
+    """A generated DeepSeek-V4-shaped checkpoint: its hash layer (called with token ids) and its sqrtsp layer
+    through SparseMoeBlock on the device, each checked against the same block on the CPU tier."""
+    import tempfile
+
+    import vkmoe
+    from .models import SparseMoeBlock
+    from .models.checkpoint import write_checkpoint
+
+    rng = np.random.default_rng(seed + 3)
+    hidden = rng.standard_normal((tokens, DSV4["hidden"])).astype(np.float16)
+    input_ids = rng.integers(0, DSV4["vocab_size"], tokens)
+    ok = True
+    with tempfile.TemporaryDirectory(prefix="vkmoe-demo-dsv4-") as tmp:
+        log.info(f"writing a DeepSeek-V4-shaped checkpoint (hash layer + sqrtsp layer) to {tmp} ...")
+        write_checkpoint(tmp, bits=BITS, codebook=CODEBOOK, seed=seed + 4, progress=False, **DSV4)
+        with vkmoe.Device(device) as dev:
+            for layer in (0, 1):
+                log.info(f"DeepSeek-V4 layer {layer} on the device and on the CPU tier ...")
+                block = SparseMoeBlock.from_checkpoint(tmp, layer, device=dev)
+                t1 = time.perf_counter()
+                y = block(hidden, input_ids=input_ids)
+                wall_ms = (time.perf_counter() - t1) * 1e3
+                if hasattr(block.moe, "close"):
+                    block.moe.close()
+                y_cpu = SparseMoeBlock.from_checkpoint(tmp, layer, backend="cpu")(hidden, input_ids=input_ids)
+                finite = bool(np.isfinite(y).all())
+                err = _rel_rms(y, y_cpu) if finite else float("nan")
+                ok = ok and finite and err < TOLERANCE
+                p(f"  dsv4 layer {layer}:  {block.router} router, {DSV4['experts']} experts top-{DSV4['top_k']} "
+                  f"+ shared, swiglu_limit {DSV4['act_limit']:g}, backend {block.backend}, {wall_ms:.1f} ms "
+                  f"(first call), vs CPU {err:.2e}" + ("" if finite else ", NOT FINITE"))
     return ok

@@ -46,6 +46,9 @@ class Exl3Tensor:
             raise TypeError(f"trellis: expected uint16 or int16, got dtype {tr.dtype}")
         if tr.ndim != 3:
             raise ValueError(f"trellis: expected 3 dimensions (k/16, n/16, 16*K), got shape {tr.shape}")
+        if tr.shape[2] % 16 == 8:  # exllamav3 writes these (K + 0.5 bits per weight); no decoder here has them
+            raise ValueError(f"trellis: last dimension {tr.shape[2]} = 16*K+8 is the half-integer EXL3 bit width "
+                             f"({tr.shape[2] / 16:g} bits per weight), which vkmoe does not support")
         if tr.shape[2] % 16 != 0 or not 1 <= tr.shape[2] // 16 <= 8:
             raise ValueError(f"trellis: expected last dimension 16*K with K (bits) in 1..8, got {tr.shape[2]}")
         k, n = tr.shape[0] * 16, tr.shape[1] * 16

@@ -14,7 +14,7 @@ import numpy as np
 from ..exl3 import Exl3Tensor, save_exl3_tensor
 from ..exl3.decode import codebook_table
 from ..exl3.synthetic import random_exl3_tensor
-from .config import ARCHITECTURES, CheckpointError, MissingTensorError, MoeConfig
+from .config import SPECS, CheckpointError, MissingTensorError, MoeConfig
 
 __all__ = ["Checkpoint", "open_checkpoint", "write_checkpoint", "checkpoint_config"]
 
@@ -163,36 +163,71 @@ def open_checkpoint(path) -> Checkpoint:
 
 
 # ------------------------------------------------------------------------------------------- generator
-_ARCH_CLASS = {v: k for k, v in ARCHITECTURES.items()}
+_ARCH_CLASS = {s.name: s.hf_classes[0] for s in SPECS.values()}
+_DOTS_KEYS = ("n_group", "topk_group", "first_k_dense_replace", "moe_layer_freq")
+_NATURAL_ACT = {"nemotron_h": "relu2", "gemma4": "gelu_pytorch_tanh"}  # HF act names; silu elsewhere
 
 
 def checkpoint_config(arch="qwen3_moe", hidden=256, intermediate=128, experts=8, top_k=2, layers=1, bits=4,
-                      codebook="mul1", n_group=1, topk_group=1, shared_experts=None, hidden_act="silu",
-                      norm_topk_prob=True, routed_scaling_factor=2.5) -> dict:
-    """The config.json dict write_checkpoint writes (HF names)."""
-    if arch not in _ARCH_CLASS:
-        raise ValueError(f"arch: expected one of {', '.join(_ARCH_CLASS)}, got {arch!r}")
+                      codebook="mul1", n_group=1, topk_group=1, shared_experts=None, hidden_act=None,
+                      norm_topk_prob=True, routed_scaling_factor=2.5, act_limit=None, hash_layers=None,
+                      vocab_size=64, shared_intermediate=None) -> dict:
+    """The config.json dict write_checkpoint writes (HF names; every key that has an architecture default is
+    written explicitly). `shared_experts`: n_shared_experts where the architecture counts them (DeepSeek,
+    GLM, dots1; default 1); `shared_intermediate`: the shared MLP's width where it is its own key (Qwen3-Next,
+    NemotronH, Step-3.5; default `intermediate`). `act_limit`: DeepSeek-V4 swiglu_limit, or Step-3.5's routed
+    limit of every layer, its shared limit being half of it (default 10.0, HF's); `hash_layers`: DeepSeek-V4
+    num_hash_layers (default min(1, layers - 1): one hash layer when there are two)."""
+    if arch not in SPECS:
+        raise ValueError(f"arch: expected one of {', '.join(SPECS)}, got {arch!r}")
+    spec = SPECS[arch]
+    gateless = spec.expert_keys[0] is None
     cfg = {
         "architectures": [_ARCH_CLASS[arch]],
         "model_type": arch,
         "hidden_size": hidden,
-        "moe_intermediate_size": intermediate,
-        "intermediate_size": intermediate * 4,
-        "num_experts_per_tok": top_k,
+        spec.experts_key: experts,
+        spec.intermediate_key: intermediate,
+        spec.key("num_experts_per_tok"): top_k,
         "num_hidden_layers": layers,
-        "hidden_act": hidden_act,
-        "norm_topk_prob": bool(norm_topk_prob),
+        "mlp_hidden_act" if gateless else spec.key("hidden_act"): hidden_act or _NATURAL_ACT.get(arch, "silu"),
+        spec.key("norm_topk_prob"): bool(norm_topk_prob),
+        "vocab_size": vocab_size,
         "torch_dtype": "float16",
         "quantization_config": {"quant_method": "exl3", "bits": float(bits), "codebook": codebook,
                                 "generated_by": "vkmoe.models.write_checkpoint (random weights)"},
     }
-    if arch == "qwen3_moe":
-        cfg.update({"num_experts": experts, "decoder_sparse_step": 1, "mlp_only_layers": []})
-    else:
-        cfg.update({"n_routed_experts": experts, "n_shared_experts": 1 if shared_experts is None else shared_experts,
-                    "n_group": n_group, "topk_group": topk_group, "scoring_func": "sigmoid",
-                    "topk_method": "noaux_tc", "routed_scaling_factor": float(routed_scaling_factor),
-                    "first_k_dense_replace": 0, "moe_layer_freq": 1})
+    if spec.intermediate_key != "intermediate_size":
+        cfg["intermediate_size"] = intermediate * 4  # the dense layers' width (unused by the MoE block)
+    if spec.layer_rule == "sparse_step":
+        cfg.update({"decoder_sparse_step": 1, "mlp_only_layers": []})
+    if spec.layer_rule == "pattern":
+        cfg["hybrid_override_pattern"] = "E" * layers
+    if spec.shared == "n_shared":
+        cfg["n_shared_experts"] = 1 if shared_experts is None else shared_experts
+    elif spec.shared:
+        cfg[spec.shared] = intermediate if shared_intermediate is None else shared_intermediate
+    if spec.layer_rule == "enum":
+        # Step-3.5: every layer MoE here; per-layer limits, the shared expert's tighter than the routed ones.
+        limit = 10.0 if act_limit is None else float(act_limit)
+        cfg.update({"moe_layers_enum": ",".join(str(i) for i in range(layers)),
+                    "swiglu_limits": [limit] * layers, "swiglu_limits_shared": [limit / 2] * layers})
+    if spec.router == "dots":
+        cfg.update({"scoring_func": "sigmoid", "topk_method": "noaux_tc",
+                    spec.key("routed_scaling_factor"): float(routed_scaling_factor)})
+        cfg.update(dict(zip(_DOTS_KEYS, (n_group, topk_group, 0, 1))))
+        if arch == "minimax_m2":
+            cfg["use_routing_bias"] = True
+    if spec.router == "sqrtsp":
+        cfg.update({"scoring_func": "sqrtsoftplus", "topk_method": "noaux_tc",
+                    "routed_scaling_factor": float(routed_scaling_factor),
+                    "num_hash_layers": min(1, layers - 1) if hash_layers is None else hash_layers,
+                    "swiglu_limit": 10.0 if act_limit is None else float(act_limit)})
+    if spec.text_config:  # Gemma 4: the text model's keys nest under text_config
+        outer = ("architectures", "model_type", "torch_dtype", "quantization_config")
+        text = {k: v for k, v in cfg.items() if k not in outer}
+        cfg = {k: cfg[k] for k in outer}
+        cfg["text_config"] = dict(text, enable_moe_block=True, rms_norm_eps=1e-6)
     return cfg
 
 
@@ -204,8 +239,9 @@ def _random_exl3(rng, k, n, bits, codebook, sigma, out_scale):
 def _plan(cfg, codebook, bits):
     """[(key, builder)] in file order; builder(rng) -> {name: array}. Each item has its own seed so tensor
     contents do not depend on how the items are split into shards."""
-    H, I = cfg["hidden_size"], cfg["moe_intermediate_size"]
-    E = cfg.get("num_experts", cfg.get("n_routed_experts"))
+    config = MoeConfig.from_dict(cfg, source="write_checkpoint arguments")
+    spec = config.spec
+    H, I, E = config.hidden_size, config.moe_intermediate_size, config.num_experts
     sigma = float(codebook_table(codebook).astype(np.float64).std())
     items = []
 
@@ -214,25 +250,49 @@ def _plan(cfg, codebook, bits):
             return save_exl3_tensor({}, key, _random_exl3(rng, k, n, bits, codebook, sigma, out_scale))
         return key, build, k * n * bits // 8 + 2 * (k + n)
 
-    for layer in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{layer}.mlp"
+    def mlp(prefix, names, width):
+        for proj, name, k, n, scale in zip(("gate", "up", "down"), names, (H, H, width), (width, width, H),
+                                           (1.0, 1.0, 0.5)):
+            if name is not None:
+                items.append(linear(f"{prefix}.{name}", k, n, scale))
 
-        def router(rng, p=p):
+    for layer in range(config.num_hidden_layers):
+        p = spec.prefix.format(layer=layer)
+        router = config.router_for(layer)
+
+        def gate(rng, p=p, router=router):
             # std 1/sqrt(H): logits of O(1) for hidden of rms 1, so routing is neither uniform nor one-hot.
-            out = {f"{p}.gate.weight": (rng.standard_normal((E, H)) / math.sqrt(H)).astype(np.float16)}
-            if cfg["model_type"] == "deepseek_v3":
-                out[f"{p}.gate.e_score_correction_bias"] = (rng.standard_normal(E) * 0.05).astype(np.float32)
+            out = {f"{p}.{spec.router_key}": (rng.standard_normal((E, H)) / math.sqrt(H)).astype(np.float16)}
+            if router == "sqrtsp_hash":
+                # Distinct experts per token id, in no particular order (the table's order is the slot order).
+                table = np.argsort(rng.random((config.vocab_size, E)), axis=1)[:, :config.top_k]
+                out[f"{p}.gate.tid2eid"] = table.astype(np.int32)
+            elif spec.bias_keys:
+                out[f"{p}.{spec.bias_keys[0]}"] = (rng.standard_normal(E) * 0.05).astype(np.float32)
+            if spec.shared_gate:
+                out[f"{p}.shared_expert_gate.weight"] = (rng.standard_normal((1, H)) / math.sqrt(H)).astype(
+                    np.float16)
+            if spec.per_expert_scale_key:
+                out[f"{p}.{spec.per_expert_scale_key}"] = rng.uniform(0.5, 1.5, E).astype(np.float32)
+            for _, key in spec.norm_keys:  # RMSNorm weights near 1 with some spread, as trained ones have
+                out[f"{p}.{key}"] = rng.normal(1.0, 0.2, H).astype(np.float32)
             return out
-        items.append((f"{p}.gate", router, E * H * 2))
+        items.append((f"{p}.gate", gate, E * H * 2))
         for e in range(E):
-            for proj, k, n, scale in (("gate", H, I, 1.0), ("up", H, I, 1.0), ("down", I, H, 0.5)):
-                items.append(linear(f"{p}.experts.{e}.{proj}_proj", k, n, scale))
-        ns = cfg.get("n_shared_experts", 0)
-        if ns:
-            Is = I * ns
-            for proj, k, n, scale in (("gate", H, Is, 1.0), ("up", H, Is, 1.0), ("down", Is, H, 0.5)):
-                items.append(linear(f"{p}.shared_experts.{proj}_proj", k, n, scale))
+            mlp(f"{p}.experts.{e}", spec.expert_keys, I)
+        if config.shared_intermediate_size:
+            mlp(spec.shared_key_prefix(layer), spec.shared_keys, config.shared_intermediate_size)
     return items
+
+
+def _check_bits(bits):
+    if isinstance(bits, bool) or not isinstance(bits, (int, float, np.integer, np.floating)):
+        raise TypeError(f"bits: expected a number 1..8, got {bits!r}")
+    if bits != int(bits) and bits * 2 == int(bits * 2):
+        raise ValueError(f"bits: {bits} is a half-integer EXL3 bit width (trellis last dimension 16*K+8), which "
+                         "vkmoe does not support; use an integer 1..8")
+    if bits != int(bits) or not 1 <= int(bits) <= 8:
+        raise ValueError(f"bits: expected an integer 1..8, got {bits}")
 
 
 class _Progress:
@@ -256,24 +316,25 @@ class _Progress:
 
 def write_checkpoint(out, arch="qwen3_moe", hidden=256, intermediate=128, experts=8, top_k=2, layers=1, bits=4,
                      codebook="mul1", n_group=1, topk_group=1, shared_experts=None, seed=0, shards=1,
-                     hidden_act="silu", norm_topk_prob=True, routed_scaling_factor=2.5, progress=False,
-                     omit=()) -> str:
+                     hidden_act=None, norm_topk_prob=True, routed_scaling_factor=2.5, progress=False,
+                     omit=(), act_limit=None, hash_layers=None, vocab_size=64, shared_intermediate=None) -> str:
     """Write a random, valid exllamav3-format MoE checkpoint (config.json + safetensors) to directory `out`.
 
     Block outputs have rms O(0.1-1) for hidden states of rms 1 and every fp16 intermediate stays far from
     overflow. `shards` > 1 splits the tensors into that many files plus model.safetensors.index.json.
-    `progress`: True = a bar on stderr, None = one when the checkpoint exceeds 64 MiB (the tool's default).
+    `progress`: True = a bar on stderr, None = one when the checkpoint exceeds 64 MiB (the tool's default), False
+    (the default) = silent.
     `omit`: keys (exact, or a tensor prefix such as "...experts.3.up_proj") left out, to build broken
     checkpoints for tests.
     Returns `out`.
     """
     from safetensors.numpy import save_file
 
+    _check_bits(bits)
     cfg = checkpoint_config(arch, hidden, intermediate, experts, top_k, layers, bits, codebook, n_group,
-                            topk_group, shared_experts, hidden_act, norm_topk_prob, routed_scaling_factor)
+                            topk_group, shared_experts, hidden_act, norm_topk_prob, routed_scaling_factor,
+                            act_limit, hash_layers, vocab_size, shared_intermediate)
     MoeConfig.from_dict(cfg, source="write_checkpoint arguments")  # the same checks a reader applies
-    if not 1 <= int(bits) <= 8:
-        raise ValueError(f"bits: expected 1..8, got {bits}")
     if codebook not in ("mul1", "mcg", "3inst"):
         raise ValueError(f"codebook: expected mul1, mcg or 3inst, got {codebook!r}")
     if layers < 1 or shards < 1:

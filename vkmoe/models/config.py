@@ -1,4 +1,10 @@
-"""The MoE part of a Hugging Face `config.json`, normalised across architectures, plus checkpoint errors."""
+"""The MoE part of a Hugging Face `config.json`, normalised across architectures, plus checkpoint errors.
+
+Each supported architecture is one `ArchSpec` row in `SPECS`: which router family it uses, where its tensors
+live and which config keys hold its sizes. `MoeConfig.from_dict` reads a config through its row, applies the
+architecture's defaults (Hugging Face's where exllamav3 and HF agree, else exllamav3's, noted per key) and names
+the missing or inconsistent key when something is wrong.
+"""
 from __future__ import annotations
 
 import json
@@ -7,13 +13,8 @@ from dataclasses import dataclass, field
 
 from ..exl3.loaders import CheckpointError, MissingTensorError  # defined where tensors are loaded; re-exported
 
-__all__ = ["ARCHITECTURES", "CheckpointError", "MissingTensorError", "MoeConfig", "ACTIVATION_BY_HF_ACT"]
-
-# HF `architectures` entry -> vkmoe's architecture name (the HF model_type).
-ARCHITECTURES = {
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "DeepseekV3ForCausalLM": "deepseek_v3",
-}
+__all__ = ["ARCHITECTURES", "SPECS", "ArchSpec", "CheckpointError", "MissingTensorError", "MoeConfig",
+           "ACTIVATION_BY_HF_ACT"]
 
 # HF hidden_act -> the op's activation name. gelu_pytorch_tanh and HF "gelu_new" are the tanh form the CUDA
 # arm computes; plain HF "gelu" is the erf form.
@@ -27,10 +28,127 @@ ACTIVATION_BY_HF_ACT = {
     "relu2": "relu2",
 }
 
+GATED_KEYS = ("gate_proj", "up_proj", "down_proj")   # HF names of (gate, up, down)
+NATIVE_KEYS = ("w1", "w3", "w2")                      # Mixtral / MiniMax / DeepSeek native names of the same
+GATELESS_KEYS = (None, "up_proj", "down_proj")        # NemotronH: relu2 experts have no gate projection
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """Where one architecture keeps its MoE block and how it routes. `prefix` is formatted with `layer`."""
+    name: str                      # vkmoe's architecture name (the HF model_type)
+    hf_classes: tuple              # HF `architectures` entries
+    router: str                    # "std" | "dots" | "sqrtsp" (sqrtsp_hash on DeepSeek-V4's hash layers)
+    prefix: str                    # tensor prefix of the block
+    experts_key: str               # config key holding the routed expert count
+    intermediate_key: str          # config key holding the routed experts' intermediate size
+    expert_keys: tuple = GATED_KEYS
+    shared: str | None = None      # None | "n_shared" (moe_intermediate x n_shared_experts) | a config key
+    shared_keys: tuple = GATED_KEYS
+    shared_name: str = "shared_experts"
+    shared_prefix: str | None = None  # Step-3.5 keeps its shared expert beside the block: a full template
+    shared_gate: bool = False      # Qwen3-Next: sigmoid(x · shared_expert_gate) scales the shared output
+    bias_keys: tuple = ()          # selection-bias keys under the prefix, first found wins
+    bias_required: bool = False
+    layer_rule: str = "all"        # "all" | "sparse_step" | "first_k_dense" | "pattern" | "enum"
+    renames: tuple = ()            # (canonical HF key, this architecture's key) where they differ
+    router_key: str = "gate.weight"
+    per_expert_scale_key: str | None = None  # Gemma 4: routing weights x this (E,) vector after renormalising
+    norm_keys: tuple = ()          # Gemma 4: (role, key) of the block's RMSNorm weights, roles in NORM_ROLES
+    text_config: bool = False      # sizes live in config.json's "text_config" (multimodal wrappers)
+    interm_div: float = 0.0        # Laguna: routed up projections / this, routing weights x this (fp16 guard)
+
+    def key(self, name: str) -> str:
+        """This architecture's config key for the canonical (DeepSeek/Qwen-style) key `name`."""
+        return dict(self.renames).get(name, name)
+
+    def shared_key_prefix(self, layer: int) -> str:
+        if self.shared_prefix:
+            return self.shared_prefix.format(layer=layer)
+        return f"{self.prefix.format(layer=layer)}.{self.shared_name}"
+
+
+SPECS = {s.name: s for s in (
+    ArchSpec("mixtral", ("MixtralForCausalLM",), "std", "model.layers.{layer}.block_sparse_moe",
+             "num_local_experts", "intermediate_size", expert_keys=NATIVE_KEYS),
+    ArchSpec("qwen3_moe", ("Qwen3MoeForCausalLM",), "std", "model.layers.{layer}.mlp", "num_experts",
+             "moe_intermediate_size", layer_rule="sparse_step"),
+    ArchSpec("qwen3_next", ("Qwen3NextForCausalLM",), "std", "model.layers.{layer}.mlp", "num_experts",
+             "moe_intermediate_size", shared="shared_expert_intermediate_size", shared_name="shared_expert",
+             shared_gate=True, layer_rule="sparse_step"),
+    ArchSpec("deepseek_v3", ("DeepseekV3ForCausalLM",), "dots", "model.layers.{layer}.mlp", "n_routed_experts",
+             "moe_intermediate_size", shared="n_shared", bias_keys=("gate.e_score_correction_bias",),
+             bias_required=True, layer_rule="first_k_dense"),
+    ArchSpec("deepseek_v4", ("DeepseekV4ForCausalLM",), "sqrtsp", "layers.{layer}.ffn", "n_routed_experts",
+             "moe_intermediate_size", expert_keys=NATIVE_KEYS, shared="n_shared", shared_keys=NATIVE_KEYS,
+             bias_keys=("gate.bias", "gate.e_score_correction_bias")),
+    ArchSpec("glm4_moe", ("Glm4MoeForCausalLM",), "dots", "model.layers.{layer}.mlp", "n_routed_experts",
+             "moe_intermediate_size", shared="n_shared", bias_keys=("gate.e_score_correction_bias",),
+             bias_required=True, layer_rule="first_k_dense"),
+    ArchSpec("dots1", ("Dots1ForCausalLM",), "dots", "model.layers.{layer}.mlp", "n_routed_experts",
+             "moe_intermediate_size", shared="n_shared", bias_keys=("gate.e_score_correction_bias",),
+             bias_required=True, layer_rule="first_k_dense"),
+    ArchSpec("minimax_m2", ("MiniMaxM2ForCausalLM",), "dots", "model.layers.{layer}.block_sparse_moe",
+             "num_local_experts", "intermediate_size", expert_keys=NATIVE_KEYS,
+             bias_keys=("gate.e_score_correction_bias",), bias_required=True),
+    ArchSpec("nemotron_h", ("NemotronHForCausalLM",), "dots", "backbone.layers.{layer}.mixer", "n_routed_experts",
+             "moe_intermediate_size", expert_keys=GATELESS_KEYS, shared="moe_shared_expert_intermediate_size",
+             shared_keys=GATELESS_KEYS, bias_keys=("gate.e_score_correction_bias",), bias_required=True,
+             layer_rule="pattern"),
+    ArchSpec("step3p5", ("Step3p5ForCausalLM",), "dots", "model.layers.{layer}.moe", "moe_num_experts",
+             "moe_intermediate_size", shared="share_expert_dim", shared_prefix="model.layers.{layer}.share_expert",
+             bias_keys=("router_bias",), bias_required=True, layer_rule="enum",
+             renames=(("num_experts_per_tok", "moe_top_k"), ("routed_scaling_factor", "moe_router_scaling_factor"),
+                      ("norm_topk_prob", "norm_expert_weight"))),
+    ArchSpec("laguna", ("LagunaForCausalLM",), "dots", "model.layers.{layer}.mlp", "num_experts",
+             "moe_intermediate_size", shared="shared_expert_intermediate_size", shared_name="shared_expert",
+             bias_keys=("experts.e_score_correction_bias",), bias_required=True, layer_rule="sparse_step",
+             renames=(("routed_scaling_factor", "moe_routed_scaling_factor"),), interm_div=128.0),
+    ArchSpec("gemma4", ("Gemma4ForConditionalGeneration",), "std", "model.language_model.layers.{layer}",
+             "num_experts", "moe_intermediate_size", shared="intermediate_size",
+             shared_prefix="model.language_model.layers.{layer}.mlp", router_key="router.proj.weight",
+             per_expert_scale_key="router.per_expert_scale", text_config=True,
+             norm_keys=(("router", "router.scale"), ("routed_in", "pre_feedforward_layernorm_2.weight"),
+                        ("routed_out", "post_feedforward_layernorm_2.weight"),
+                        ("shared_out", "post_feedforward_layernorm_1.weight")),
+             renames=(("num_experts_per_tok", "top_k_experts"), ("hidden_act", "hidden_activation"))),
+)}
+
+# Gemma 4's extra RMSNorms around its MoE block (all read the residual stream or an output, never `hidden`):
+# router = the router's pre-norm (times hidden_size**-0.5), routed_in = the routed experts' input,
+# routed_out / shared_out = post-norms of the routed sum and of the dense MLP, applied before they are added.
+NORM_ROLES = ("router", "routed_in", "routed_out", "shared_out")
+
+# Per architecture: defaults for keys a config may leave out, as {key: value}. Where exllamav3 and HF differ,
+# the comment says whose default this is; a checkpoint writer should write these keys explicitly.
+_DEFAULTS = {
+    "mixtral": {"hidden_act": "silu"},
+    "qwen3_moe": {"norm_topk_prob": False, "decoder_sparse_step": 1},  # HF; exllamav3 asserts True
+    "qwen3_next": {"norm_topk_prob": True, "decoder_sparse_step": 1, "shared_expert_intermediate_size": 512},
+    "deepseek_v3": {"norm_topk_prob": True, "n_shared_experts": 1, "n_group": 8, "topk_group": 4,  # HF
+                    "routed_scaling_factor": 2.5, "first_k_dense_replace": 3, "moe_layer_freq": 1},
+    "deepseek_v4": {"n_shared_experts": 1, "routed_scaling_factor": 1.0, "num_hash_layers": 3,  # exllamav3
+                    "swiglu_limit": 10.0},
+    "glm4_moe": {"norm_topk_prob": True, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
+                 "routed_scaling_factor": 1.0, "first_k_dense_replace": 1, "moe_layer_freq": 1},
+    "dots1": {"norm_topk_prob": True, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
+              "routed_scaling_factor": 1.0, "first_k_dense_replace": 0, "moe_layer_freq": 1},
+    "minimax_m2": {"norm_topk_prob": True, "routed_scaling_factor": 1.0},
+    "nemotron_h": {"norm_topk_prob": True, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.5,
+                   "mlp_hidden_act": "relu2"},
+    "step3p5": {"norm_expert_weight": True, "moe_router_scaling_factor": 3.0},  # exllamav3
+    "laguna": {"norm_topk_prob": True, "moe_routed_scaling_factor": 1.0, "decoder_sparse_step": 1,
+               "mlp_only_layers": [0]},  # exllamav3: layer 0 is dense unless the config says otherwise
+    "gemma4": {"norm_topk_prob": True, "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6},
+}
+
+# HF `architectures` entry -> vkmoe's architecture name.
+ARCHITECTURES = {cls: s.name for s in SPECS.values() for cls in s.hf_classes}
+
 
 @dataclass
 class MoeConfig:
-    arch: str                      # "qwen3_moe" | "deepseek_v3"
+    arch: str
     hidden_size: int
     num_experts: int
     top_k: int
@@ -47,15 +165,39 @@ class MoeConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: list = field(default_factory=list)
     num_hidden_layers: int = 0
+    shared_intermediate_size: int = 0  # 0 = no shared expert
+    act_limit: float = 0.0             # swiglu_limit (DeepSeek-V4), on routed and shared experts; 0 = none
+    num_hash_layers: int = 0           # DeepSeek-V4: layers < this route by token id (tid2eid)
+    vocab_size: int = 0                # rows of DeepSeek-V4's tid2eid table
+    hybrid_override_pattern: str = ""  # NemotronH: 'E' marks the MoE layers
+    moe_layers: tuple = ()             # Step-3.5: the MoE layers (moe_layers_enum)
+    act_limits: tuple = ()             # Step-3.5: per-layer limits of the routed experts (swiglu_limits) ...
+    shared_act_limits: tuple = ()      # ... and of the shared expert (swiglu_limits_shared); 0/null = none
+    rms_norm_eps: float = 1e-6         # Gemma 4's block norms
+    interm_div: float = 0.0            # Laguna: see ArchSpec.interm_div; 0 = none
     source: str = "<dict>"
+
+    @property
+    def spec(self) -> ArchSpec:
+        return SPECS[self.arch]
 
     @property
     def activation(self) -> str:
         return ACTIVATION_BY_HF_ACT[self.hidden_act]
 
-    @property
-    def shared_intermediate_size(self) -> int:
-        return self.moe_intermediate_size * self.n_shared_experts
+    def router_for(self, layer) -> str:
+        """The router family of decoder layer `layer` ("sqrtsp_hash" on DeepSeek-V4's first layers)."""
+        r = self.spec.router
+        if r == "sqrtsp" and layer is not None and layer < self.num_hash_layers:
+            return "sqrtsp_hash"
+        return r
+
+    def act_limits_for(self, layer) -> tuple:
+        """(routed, shared) act_limit of decoder layer `layer`: per-layer lists where the architecture has
+        them (Step-3.5), else the one swiglu_limit for both (DeepSeek-V4); 0.0 = no clamp."""
+        if self.act_limits and layer is not None:
+            return self.act_limits[layer], self.shared_act_limits[layer]
+        return self.act_limit, self.act_limit
 
     @classmethod
     def from_dict(cls, cfg: dict, source: str = "<dict>") -> "MoeConfig":
@@ -70,19 +212,8 @@ class MoeConfig:
 
     @classmethod
     def _from_dict(cls, cfg: dict, source: str) -> "MoeConfig":
-        def need(*names):
-            for n in names:
-                if n in cfg and cfg[n] is not None:
-                    return cfg[n]
-            raise CheckpointError(f"{source}: missing {' or '.join(repr(n) for n in names)}")
-
-        def opt(name, hf_default, if_null):
-            # Absent keys take transformers' config-class default; an explicit null means "feature off".
-            v = cfg.get(name, hf_default)
-            return if_null if v is None else v
-
         arch = cfg.get("model_type")
-        if arch not in ARCHITECTURES.values():
+        if arch not in SPECS:
             archs = [ARCHITECTURES[a] for a in cfg.get("architectures") or () if a in ARCHITECTURES]
             if not archs:
                 raise CheckpointError(
@@ -90,30 +221,92 @@ class MoeConfig:
                     f"architectures={cfg.get('architectures')!r}); supported: "
                     + ", ".join(f"{k} ({v})" for k, v in ARCHITECTURES.items()))
             arch = archs[0]
-        hidden_act = cfg.get("hidden_act", "silu")
+        spec, defaults = SPECS[arch], _DEFAULTS[arch]
+        if spec.text_config:
+            text = cfg.get("text_config")
+            if not isinstance(text, dict):
+                raise CheckpointError(f"{source}: missing 'text_config' (required by {arch}: it holds the sizes)")
+            if not text.get("enable_moe_block", False):
+                raise CheckpointError(f"{source}: text_config.enable_moe_block is not true: this {arch} model has "
+                                      "no MoE blocks")
+            cfg = {**cfg, **text}
+
+        if arch == "nemotron_h" and cfg.get("moe_latent_size"):
+            raise CheckpointError(f"{source}: moe_latent_size={cfg['moe_latent_size']}: NemotronH's latent MoE "
+                                  "(experts behind fc1/fc2_latent_proj) is not supported")
+
+        def need(name):
+            if cfg.get(name) is None:
+                raise CheckpointError(f"{source}: missing {name!r} (required by {arch})")
+            return cfg[name]
+
+        def opt(name, if_null=None):
+            # Absent keys take the architecture's default; an explicit null means "feature off".
+            name = spec.key(name)
+            v = cfg.get(name, defaults.get(name))
+            return if_null if v is None else v
+
+        def limits(name):
+            v = cfg.get(name)
+            if v is None:
+                raise CheckpointError(f"{source}: missing {name!r} (required by {arch}: one limit per layer)")
+            try:
+                out = tuple(0.0 if x is None else float(x) for x in v)
+            except (TypeError, ValueError):
+                raise CheckpointError(f"{source}: {name}={v!r} is not a list of numbers") from None
+            if any(not x >= 0 or x == float("inf") for x in out):
+                raise CheckpointError(f"{source}: {name}={v!r}: every limit must be finite and >= 0")
+            return out
+
+        def as_int(name, v):
+            try:
+                return int(v)
+            except (TypeError, ValueError):
+                raise CheckpointError(f"{source}: {name}={v!r} is not an integer") from None
+
+        act_key = "mlp_hidden_act" if arch == "nemotron_h" else spec.key("hidden_act")
+        hidden_act = cfg.get(act_key, defaults.get(act_key)) or "silu"
         if hidden_act not in ACTIVATION_BY_HF_ACT:
-            raise CheckpointError(f"{source}: hidden_act={hidden_act!r} is not supported; supported: "
+            raise CheckpointError(f"{source}: {act_key}={hidden_act!r} is not supported; supported: "
                                   + ", ".join(ACTIVATION_BY_HF_ACT))
-        if arch == "qwen3_moe":
-            c = cls(arch=arch, hidden_size=int(need("hidden_size")), num_experts=int(need("num_experts")),
-                    top_k=int(need("num_experts_per_tok")),
-                    moe_intermediate_size=int(need("moe_intermediate_size")), hidden_act=hidden_act,
-                    norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), scoring_func="softmax",
-                    decoder_sparse_step=int(cfg.get("decoder_sparse_step", 1) or 1),
-                    mlp_only_layers=list(cfg.get("mlp_only_layers") or ()),
-                    num_hidden_layers=int(cfg.get("num_hidden_layers", 0) or 0), source=source)
-        else:  # deepseek_v3
-            c = cls(arch=arch, hidden_size=int(need("hidden_size")), num_experts=int(need("n_routed_experts")),
-                    top_k=int(need("num_experts_per_tok")),
-                    moe_intermediate_size=int(need("moe_intermediate_size")), hidden_act=hidden_act,
-                    norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-                    n_shared_experts=int(opt("n_shared_experts", 1, 0)),
-                    scoring_func=cfg.get("scoring_func", "sigmoid"), n_group=int(opt("n_group", 8, 1)),
-                    topk_group=int(opt("topk_group", 4, 1)),
-                    routed_scaling_factor=float(opt("routed_scaling_factor", 2.5, 1.0)),
-                    first_k_dense_replace=int(opt("first_k_dense_replace", 3, 0)),
-                    moe_layer_freq=int(opt("moe_layer_freq", 1, 1)),
-                    num_hidden_layers=int(cfg.get("num_hidden_layers", 0) or 0), source=source)
+        I = as_int(spec.intermediate_key, need(spec.intermediate_key))
+        n_shared = as_int("n_shared_experts", opt("n_shared_experts", 0)) if spec.shared == "n_shared" else 0
+        if spec.shared is None:
+            shared_i = 0
+        elif spec.shared == "n_shared":
+            shared_i = I * n_shared
+        else:
+            shared_i = as_int(spec.shared, opt(spec.shared, 0))
+        scoring = {"std": "softmax", "dots": "sigmoid", "sqrtsp": "sqrtsoftplus"}[spec.router]
+        c = cls(arch=arch, hidden_size=as_int("hidden_size", need("hidden_size")),
+                num_experts=as_int(spec.experts_key, need(spec.experts_key)),
+                top_k=as_int(spec.key("num_experts_per_tok"), need(spec.key("num_experts_per_tok"))),
+                moe_intermediate_size=I,
+                hidden_act=hidden_act, norm_topk_prob=bool(opt("norm_topk_prob", True)),
+                n_shared_experts=n_shared, scoring_func=cfg.get("scoring_func") or scoring,
+                n_group=as_int("n_group", opt("n_group", 1)), topk_group=as_int("topk_group", opt("topk_group", 1)),
+                routed_scaling_factor=float(opt("routed_scaling_factor", 1.0)),
+                first_k_dense_replace=as_int("first_k_dense_replace", opt("first_k_dense_replace", 0)),
+                moe_layer_freq=as_int("moe_layer_freq", opt("moe_layer_freq", 1)),
+                decoder_sparse_step=as_int("decoder_sparse_step", opt("decoder_sparse_step", 1) or 1),
+                mlp_only_layers=list(opt("mlp_only_layers", ())),
+                num_hidden_layers=as_int("num_hidden_layers", cfg.get("num_hidden_layers") or 0),
+                shared_intermediate_size=shared_i, act_limit=float(opt("swiglu_limit", 0.0)),
+                num_hash_layers=as_int("num_hash_layers", opt("num_hash_layers", 0)),
+                vocab_size=as_int("vocab_size", cfg.get("vocab_size") or 0),
+                hybrid_override_pattern=str(cfg.get("hybrid_override_pattern") or ""),
+                rms_norm_eps=float(opt("rms_norm_eps", 1e-6)), interm_div=spec.interm_div, source=source)
+        if spec.layer_rule == "enum":
+            enum = need("moe_layers_enum")
+            try:
+                c.moe_layers = tuple(int(x) for x in str(enum).split(",") if x.strip())
+            except ValueError:
+                raise CheckpointError(f"{source}: moe_layers_enum={enum!r} is not a comma-separated list of layer "
+                                      "indices") from None
+            c.act_limits, c.shared_act_limits = limits("swiglu_limits"), limits("swiglu_limits_shared")
+        if spec.layer_rule == "pattern" and not c.hybrid_override_pattern:
+            raise CheckpointError(f"{source}: missing 'hybrid_override_pattern' (required by {arch}: 'E' marks "
+                                  "the MoE layers)")
         c.validate()
         return c
 
@@ -134,35 +327,61 @@ class MoeConfig:
         return cls.from_dict(cfg, source=path)
 
     def validate(self) -> None:
-        src = self.source
+        src, spec = self.source, self.spec
         if self.hidden_size <= 0 or self.hidden_size % 128:
             raise CheckpointError(f"{src}: hidden_size={self.hidden_size} is not a positive multiple of 128 "
                                   "(EXL3 applies its Hadamard transform per 128 channels)")
         if self.moe_intermediate_size <= 0 or self.moe_intermediate_size % 128:
-            raise CheckpointError(f"{src}: moe_intermediate_size={self.moe_intermediate_size} is not a positive "
+            raise CheckpointError(f"{src}: {spec.intermediate_key}={self.moe_intermediate_size} is not a positive "
                                   "multiple of 128")
+        if self.shared_intermediate_size < 0 or self.shared_intermediate_size % 128:
+            raise CheckpointError(f"{src}: shared expert intermediate size {self.shared_intermediate_size} "
+                                  f"(from {spec.shared}) is not a multiple of 128")
+        if self.n_shared_experts < 0:
+            raise CheckpointError(f"{src}: n_shared_experts={self.n_shared_experts} must be >= 0")
         if self.num_experts < 1:
-            raise CheckpointError(f"{src}: num_experts={self.num_experts} must be >= 1")
+            raise CheckpointError(f"{src}: {spec.experts_key}={self.num_experts} must be >= 1")
         if not 1 <= self.top_k <= self.num_experts:
-            raise CheckpointError(f"{src}: num_experts_per_tok={self.top_k} must be in 1..num_experts="
-                                  f"{self.num_experts}")
-        if self.arch == "deepseek_v3":
-            if self.scoring_func != "sigmoid":
-                raise CheckpointError(f"{src}: scoring_func={self.scoring_func!r}; deepseek_v3 supports 'sigmoid'")
-            if self.n_group < 1 or self.num_experts % self.n_group:
-                raise CheckpointError(f"{src}: n_routed_experts={self.num_experts} is not divisible by "
-                                      f"n_group={self.n_group}")
-            if not 1 <= self.topk_group <= self.n_group:
-                raise CheckpointError(f"{src}: topk_group={self.topk_group} must be in 1..n_group={self.n_group}")
-            if self.top_k > self.topk_group * (self.num_experts // self.n_group):
-                raise CheckpointError(
-                    f"{src}: num_experts_per_tok={self.top_k} exceeds the experts in topk_group={self.topk_group} "
-                    f"groups of {self.num_experts // self.n_group}")
-            if self.n_shared_experts < 0:
-                raise CheckpointError(f"{src}: n_shared_experts={self.n_shared_experts} must be >= 0")
+            raise CheckpointError(f"{src}: {spec.key('num_experts_per_tok')}={self.top_k} must be in "
+                                  f"1..{spec.experts_key}={self.num_experts}")
+        expected = {"std": "softmax", "dots": "sigmoid", "sqrtsp": "sqrtsoftplus"}[spec.router]
+        if spec.router != "std" and self.scoring_func not in (expected, "noaux_tc"):
+            raise CheckpointError(f"{src}: scoring_func={self.scoring_func!r}; {self.arch} supports {expected!r}")
+        if (self.activation == "relu2") != (spec.expert_keys[0] is None):
+            raise CheckpointError(f"{src}: activation {self.hidden_act!r} does not fit {self.arch}, whose experts "
+                                  + ("are gateless relu2" if spec.expert_keys[0] is None else "are gated"))
+        if self.act_limit < 0 or self.act_limit != self.act_limit:
+            raise CheckpointError(f"{src}: swiglu_limit={self.act_limit} must be >= 0")
+        if self.n_group < 1 or self.num_experts % self.n_group:
+            raise CheckpointError(f"{src}: {spec.experts_key}={self.num_experts} is not divisible by "
+                                  f"n_group={self.n_group}")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise CheckpointError(f"{src}: topk_group={self.topk_group} must be in 1..n_group={self.n_group}")
+        if self.top_k > self.topk_group * (self.num_experts // self.n_group):
+            raise CheckpointError(
+                f"{src}: num_experts_per_tok={self.top_k} exceeds the experts in topk_group={self.topk_group} "
+                f"groups of {self.num_experts // self.n_group}")
+        if self.num_hash_layers and self.vocab_size < 1:
+            raise CheckpointError(f"{src}: num_hash_layers={self.num_hash_layers} needs 'vocab_size' (the rows "
+                                  "of the tid2eid table)")
+        L = self.num_hidden_layers
+        for name, lst in (("swiglu_limits", self.act_limits), ("swiglu_limits_shared", self.shared_act_limits)):
+            if lst and len(lst) < max(L, max(self.moe_layers, default=-1) + 1):
+                raise CheckpointError(f"{src}: {name} has {len(lst)} entries but num_hidden_layers={L}")
+        if self.hybrid_override_pattern and L and len(self.hybrid_override_pattern) != L:
+            raise CheckpointError(f"{src}: hybrid_override_pattern has {len(self.hybrid_override_pattern)} "
+                                  f"entries but num_hidden_layers={L}")
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer `layer` has a sparse MoE block (HF's per-architecture rule)."""
-        if self.arch == "qwen3_moe":
+        rule = self.spec.layer_rule
+        if rule == "sparse_step":
             return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
-        return layer >= self.first_k_dense_replace and layer % self.moe_layer_freq == 0
+        if rule == "first_k_dense":
+            return layer >= self.first_k_dense_replace and layer % self.moe_layer_freq == 0
+        if rule == "pattern":
+            p = self.hybrid_override_pattern
+            return layer < len(p) and p[layer] == "E"
+        if rule == "enum":
+            return layer in self.moe_layers
+        return True

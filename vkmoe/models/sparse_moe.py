@@ -2,79 +2,124 @@
 
     block = SparseMoeBlock.from_checkpoint("model_dir", layer_index=3)      # backend chosen by vkmoe.registry
     y = block(hidden)            # (m, H) fp16/fp32 -> (m, H) float32
+    y = block(hidden, input_ids=ids)      # DeepSeek-V4 hash layers (experts from tid2eid[token id])
+    y = block(hidden, residual=r)         # Gemma 4 (router and routed experts read the residual stream)
 
-router (numpy, fp32) -> routed experts through the registered `exl3_moe_mlp` (+ shared experts through
+router (numpy, fp32; families in vkmoe.models.routing) -> routed experts through the registered `exl3_moe_mlp` (+ shared experts through
 `exl3_linear`, where the architecture has them). `block.reference(hidden)` is the same block in float64 with
 vkmoe.exl3.reference, for tests.
 """
 from __future__ import annotations
 
-import math
 import re
 
 import numpy as np
 
 from .. import registry
-from ..exl3 import load_exl3_tensor
+from ..exl3 import Exl3Tensor, load_exl3_tensor
 from ..exl3 import reference as ref
 from .checkpoint import Checkpoint
-from .config import CheckpointError, MissingTensorError, MoeConfig
-from .routing import router_logits, sigmoid_group_topk, softmax_topk
+from .config import NORM_ROLES, CheckpointError, MissingTensorError, MoeConfig
+from .routing import router_logits, sigmoid_group_topk, softmax_topk, sqrtsp_hash, sqrtsp_topk
 
 __all__ = ["SparseMoeBlock", "block_reference", "load_block_tensors"]
 
 _PROJS = ("gate", "up", "down")
 
 
-def _activate(g, u, activation):
-    """a(g)·u for the shared-expert MLP on the host, in the arrays' dtype."""
-    if activation == "relu2":
-        return np.square(np.maximum(u, 0))
-    if activation == "silu":
-        a = g / (1 + np.exp(-g))
-    elif activation == "gelu":
-        a = 0.5 * g * (1 + np.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g ** 3)))
-    elif activation == "gelu_erf":
-        a = 0.5 * g * (1 + np.frompyfunc(math.erf, 1, 1)(g / math.sqrt(2)).astype(g.dtype))
-    else:
-        raise ValueError(f"activation {activation!r} is not supported for shared experts")
-    return a * u
+def _sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def _divide_output(t, div):
+    """A copy of Exl3Tensor `t` whose output is t's / div (div a power of two: svh / div is exact in fp16
+    unless it falls below fp16's normal range, which is refused rather than silently rounded)."""
+    svh = (t.svh.astype(np.float32) / np.float32(div)).astype(np.float16)
+    if not np.array_equal(svh.astype(np.float32) * np.float32(div), t.svh.astype(np.float32)):
+        raise CheckpointError(f"interm_div={div:g}: an up projection's svh has values too small to divide exactly "
+                              "in fp16")
+    return Exl3Tensor(t.trellis, t.suh, svh, codebook=t.codebook, bias=None if t.bias is None else t.bias / div)
+
+
+def _rms_norm(x, weight, eps, dtype):
+    """x / sqrt(mean(x²) + eps) · weight per row, in `dtype` (exllamav3's RMSNorm without a constant bias)."""
+    xf = np.asarray(x).astype(dtype)
+    return xf / np.sqrt(np.mean(xf * xf, axis=-1, keepdims=True) + dtype.type(eps)) * weight.astype(dtype)
 
 
 class SparseMoeBlock:
     """Router + routed experts (+ shared experts). Construct with from_checkpoint(), or directly from arrays.
 
-    router_weight: (E, H) float array (HF `mlp.gate.weight`); e_score_correction_bias: (E,) or None;
-    gate/up/down: lists of E Exl3Tensor; shared: None or {"gate", "up", "down"} Exl3Tensor (one dense MLP).
+    router_weight: (E, H) float array (HF `gate.weight`); e_score_correction_bias: (E,) or None (the selection
+    bias of dots/sqrtsp routers); gate/up/down: lists of E Exl3Tensor (gate None for gateless relu2 experts);
+    shared: None or {"gate", "up", "down"} Exl3Tensor (one dense MLP; "gate" None when relu2);
+    shared_gate_weight: None or (1, H) (Qwen3-Next: the shared output is scaled by sigmoid(x · w));
+    tid2eid: None or (vocab, top_k) int table (DeepSeek-V4 hash layers: expert ids by token id);
+    per_expert_scale: None or (E,) (Gemma 4); norms: None or {role: (H,) RMSNorm weight} for every role in
+    config.NORM_ROLES (Gemma 4).
+    The router family is config.router_for(layer_index); a hash layer needs `input_ids` at call time. With
+    `norms` (Gemma 4) `hidden` is the dense MLP's input and the router and routed experts read the residual
+    stream, so the call needs `residual` (m, H) too: out = post_norm(routed(pre_norm(residual))) +
+    post_norm(shared(hidden)).
     """
 
     def __init__(self, config: MoeConfig, router_weight, gate, up, down, e_score_correction_bias=None,
-                 shared=None, layer_index=None, device=None, backend=None, dispatch=None):
+                 shared=None, shared_gate_weight=None, tid2eid=None, per_expert_scale=None, norms=None,
+                 layer_index=None, device=None, backend=None, dispatch=None):
         self.config = config
         self.layer_index = layer_index
+        self.router = config.router_for(layer_index)
         E, H = config.num_experts, config.hidden_size
         w = np.asarray(router_weight)
         if w.shape != (E, H):
             raise CheckpointError(f"router weight: expected shape ({E}, {H}) (num_experts, hidden_size), got {w.shape}")
         self.router_weight = np.ascontiguousarray(w, dtype=np.float32)
         self._router_weight_src = w
-        if config.arch == "deepseek_v3":
-            if e_score_correction_bias is None:
-                raise CheckpointError("deepseek_v3 routing needs e_score_correction_bias")
+        self.e_bias = None
+        if e_score_correction_bias is not None and self.router != "sqrtsp_hash":
             b = np.asarray(e_score_correction_bias)
             if b.shape != (E,):
                 raise CheckpointError(f"e_score_correction_bias: expected shape ({E},), got {b.shape}")
             self.e_bias = b
-        else:
-            self.e_bias = None
+        elif config.spec.bias_required:
+            raise CheckpointError(f"{config.arch} routing needs e_score_correction_bias")
+        self.tid2eid = None
+        if self.router == "sqrtsp_hash":
+            self.tid2eid = _check_tid2eid(tid2eid, config)
+        self.shared_gate_weight = None
+        if shared_gate_weight is not None:
+            sg = np.asarray(shared_gate_weight)
+            if sg.shape != (1, H):
+                raise CheckpointError(f"shared_expert_gate: expected shape (1, {H}), got {sg.shape}")
+            self.shared_gate_weight = sg
+        self.per_expert_scale = None
+        if per_expert_scale is not None:
+            pes = np.asarray(per_expert_scale)
+            if pes.shape != (E,):
+                raise CheckpointError(f"per_expert_scale: expected shape ({E},), got {pes.shape}")
+            self.per_expert_scale = pes
+        self.norms = None
+        if norms is not None:
+            if set(norms) != set(NORM_ROLES):
+                raise CheckpointError(f"norms: expected the roles {', '.join(NORM_ROLES)}, got {', '.join(norms)}")
+            for role, wt in norms.items():
+                if np.shape(wt) != (H,):
+                    raise CheckpointError(f"norms[{role!r}]: expected shape ({H},), got {np.shape(wt)}")
+            self.norms = {role: np.asarray(wt) for role, wt in norms.items()}
+        # interm_div (Laguna): the routed experts compute u/div (their fp16 products would overflow) and the
+        # routing weights carry div back; exact since the down projection is linear and div a power of two.
+        self.interm_div = config.interm_div
+        if self.interm_div:
+            up = [_divide_output(t, self.interm_div) for t in up]
         self.gate, self.up, self.down = gate, up, down
         self.shared = shared
         self.activation = config.activation
+        self.act_limit, self.shared_act_limit = config.act_limits_for(layer_index)
         ops = ("exl3_moe_mlp", "exl3_linear") if shared else ("exl3_moe_mlp",)
         self.backend = backend or registry.select_backend(device=device, ops=ops)
         kw = {} if dispatch is None else {"dispatch": dispatch}
-        self.moe = registry.create("exl3_moe_mlp", gate, up, down, activation=self.activation, act_limit=0.0,
-                                   backend=self.backend, device=device, **kw)
+        self.moe = registry.create("exl3_moe_mlp", gate, up, down, activation=self.activation,
+                                   act_limit=self.act_limit, backend=self.backend, device=device, **kw)
         self.shared_ops = None
         if shared:
             self.shared_ops = {p: registry.create("exl3_linear", shared[p], backend=self.backend, device=device)
@@ -95,28 +140,75 @@ class SparseMoeBlock:
         H = self.config.hidden_size
         if h.ndim != 2 or h.shape[1] != H:
             raise ValueError(f"hidden: expected shape (m, {H}), got {h.shape}")
-        if h.dtype not in (np.float16, np.float32):
-            raise TypeError(f"hidden: expected float16 or float32, got dtype {h.dtype}")
+        if h.dtype not in (np.float16, np.float32, np.float64):
+            raise TypeError(f"hidden: expected float16, float32 or float64, got dtype {h.dtype}")
         return h
 
-    def route(self, hidden, dtype=np.float32):
+    def _hash_ids(self, input_ids, m):
+        if input_ids is None:
+            raise ValueError(f"input_ids: layer {self.layer_index} of {self.config.arch} is a hash-routed layer "
+                             f"(layer < num_hash_layers={self.config.num_hash_layers}); call block(hidden, "
+                             "input_ids=...) with the (m,) token ids")
+        t = np.asarray(input_ids)
+        if t.dtype.kind not in "iu":
+            raise TypeError(f"input_ids: expected an integer array, got dtype {t.dtype}")
+        if t.shape != (m,):
+            raise ValueError(f"input_ids: expected shape ({m},) (one token id per hidden row), got {t.shape}")
+        V = self.tid2eid.shape[0]
+        if m and (t.min() < 0 or t.max() >= V):
+            raise ValueError(f"input_ids: expected token ids in [0, {V}) (rows of tid2eid), got "
+                             f"[{t.min()}, {t.max()}]")
+        return self.tid2eid[t]
+
+    def _residual(self, residual, hidden):
+        if residual is None:
+            raise ValueError(f"residual: {self.config.arch} routes and feeds its routed experts from the residual "
+                             "stream; call block(hidden, residual=...) with the (m, H) pre-norm residual")
+        r = np.asarray(residual)
+        if r.shape != hidden.shape or r.dtype.kind != "f":
+            raise ValueError(f"residual: expected a float array of the hidden's shape {hidden.shape}, got "
+                             f"{r.dtype} {r.shape}")
+        return r
+
+    def _norm(self, role, x, dtype):
+        return _rms_norm(x, self.norms[role], self.config.rms_norm_eps, np.dtype(dtype))
+
+    def _router_input(self, hidden, residual, dt):
+        if self.norms is None:
+            return hidden
+        z = self._norm("router", self._residual(residual, hidden), dt) * dt.type(self.config.hidden_size ** -0.5)
+        # exllamav3 hands the router an fp16 input; the float64 reference keeps it exact.
+        return z.astype(np.float16) if dt == np.float32 else z
+
+    def _expert_input(self, hidden, residual):
+        """fp16 input of the routed experts: hidden, or (Gemma 4) the normed residual."""
+        if self.norms is None:
+            return np.ascontiguousarray(hidden, dtype=np.float16)
+        return self._norm("routed_in", self._residual(residual, hidden), np.float32).astype(np.float16)
+
+    def route(self, hidden, input_ids=None, dtype=np.float32, residual=None):
         """(expert ids int64 (m, top_k), routing weights (m, top_k) in `dtype`), router math in `dtype`."""
         c = self.config
         dt = np.dtype(dtype)
         w = self.router_weight if dt == np.float32 else self._router_weight_src
-        logits = router_logits(hidden, w, dt)
-        if c.arch == "qwen3_moe":
-            ids, wts = softmax_topk(logits, c.top_k, c.norm_topk_prob)
-        else:
+        logits = router_logits(self._router_input(hidden, residual, dt), w, dt)
+        if self.router == "std":
+            ids, wts = softmax_topk(logits, c.top_k, c.norm_topk_prob, self.per_expert_scale)
+        elif self.router == "dots":
             ids, wts = sigmoid_group_topk(logits, self.e_bias, c.top_k, c.n_group, c.topk_group, c.norm_topk_prob,
                                           c.routed_scaling_factor)
+        elif self.router == "sqrtsp":
+            ids, wts = sqrtsp_topk(logits, self.e_bias, c.top_k, c.routed_scaling_factor)
+        else:
+            ids, wts = sqrtsp_hash(logits, self._hash_ids(input_ids, logits.shape[0]), c.routed_scaling_factor)
         return ids, wts.astype(dt)
 
-    def __call__(self, hidden, out=None):
-        """hidden (m, H) float16/float32 -> (m, H) float32. With the vulkan backend hidden may be a DeviceArray,
-        and out "device" (return a new DeviceArray) or a DeviceArray to fill. The router and the shared experts'
-        activation still run on the host (issue 18 item 3 moves them): a DeviceArray hidden is fetched for them
-        (the routed experts read a float16 one on the device), and with shared experts the sum is uploaded."""
+    def __call__(self, hidden, input_ids=None, residual=None, out=None):
+        """hidden (m, H) float16/float32 -> (m, H) float32. input_ids: the token ids (hash-routed layers);
+        residual: Gemma 4's residual stream. With the vulkan backend hidden may be a DeviceArray, and out "device"
+        (return a new DeviceArray) or a DeviceArray to fill. The router and the shared experts' activation still
+        run on the host: a DeviceArray hidden is fetched for them (the routed experts read a float16 one on the
+        device), and with shared experts the sum is uploaded."""
         x_dev = target = None
         if out is not None or not isinstance(hidden, np.ndarray):
             # Imported only here: the numpy path (and the CPU backend) must not need the Vulkan layer.
@@ -124,7 +216,7 @@ class SparseMoeBlock:
         if not isinstance(hidden, np.ndarray) and isinstance(hidden, DeviceArray):
             hidden.check("hidden", self._vulkan_device("a DeviceArray hidden"), (None, self.config.hidden_size),
                          hidden.dtype)
-            x_dev = hidden if hidden.dtype == np.float16 else None
+            x_dev = hidden if hidden.dtype == np.float16 and self.norms is None else None
             hidden = hidden.numpy()
         h = self._check_hidden(hidden)
         m = h.shape[0]
@@ -132,19 +224,28 @@ class SparseMoeBlock:
             target = resolve_out(out, self._vulkan_device("out"), (m, self.config.hidden_size), np.float32)
         if m == 0:
             return np.zeros((0, self.config.hidden_size), np.float32) if target is None else target
-        ids, wts = self.route(h)
+        ids, wts = self.route(h, input_ids, residual=residual)
         x16 = np.ascontiguousarray(h, dtype=np.float16)
-        experts_in = x16 if x_dev is None else x_dev
-        if target is not None and not self.shared_ops:
-            return self.moe(experts_in, ids, wts.astype(np.float32), out=target)
-        out = np.asarray(self.moe(experts_in, ids, wts.astype(np.float32)), dtype=np.float32)
+        experts_in = self._expert_input(h, residual) if x_dev is None else x_dev
+        op_weights = self._op_weights(wts).astype(np.float32)
+        if target is not None and not self.shared_ops and self.norms is None:
+            return self.moe(experts_in, ids, op_weights, out=target)
+        out = np.asarray(self.moe(experts_in, ids, op_weights), dtype=np.float32)
+        if self.norms is not None:
+            out = self._norm("routed_out", out, np.float32)
         if self.shared_ops:
             ops = self.shared_ops
             u = ops["up"](x16).astype(np.float32)
             g = ops["gate"](x16).astype(np.float32) if "gate" in ops else None
-            # fp16 between the linears, as exllamav3's GatedMLP hands its intermediate on.
-            p = _activate(g, u, self.activation).astype(np.float16)
-            out = out + ops["down"](p).astype(np.float32)
+            # fp16 between the linears, as exllamav3's GatedMLP hands its intermediate on; the reference's
+            # activation (act_limit convention of spec 8.6 included) so block and reference cannot drift apart.
+            p = ref._activate(g, u, self.activation, self.shared_act_limit).astype(np.float16)
+            s = ops["down"](p).astype(np.float32)
+            if self.shared_gate_weight is not None:
+                s = s * _sigmoid(router_logits(x16, self.shared_gate_weight, np.float32))
+            if self.norms is not None:
+                s = self._norm("shared_out", s, np.float32)
+            out = out + s
         if target is not None:
             target.buffer.upload(out)
             return target
@@ -157,35 +258,65 @@ class SparseMoeBlock:
             raise ValueError(f"{what} needs the vulkan backend; this block runs on {self.backend!r}")
         return device
 
+    def _op_weights(self, wts):
+        """Routing weights as the routed-expert op takes them (times interm_div where the ups are divided)."""
+        return wts * wts.dtype.type(self.interm_div) if self.interm_div else wts
+
     @property
     def last_run(self):
         return getattr(self.moe, "last_run", None)
 
-    def reference(self, hidden, routing=None) -> np.ndarray:
+    def reference(self, hidden, routing=None, input_ids=None, residual=None) -> np.ndarray:
         """The whole block in float64 (router included) with vkmoe.exl3.reference; (m, H) float64."""
-        return block_reference(self, hidden, routing)
+        return block_reference(self, hidden, routing, input_ids, residual)
 
     def __repr__(self):
         c = self.config
-        return (f"SparseMoeBlock({c.arch}, layer={self.layer_index}, H={c.hidden_size}, I={c.moe_intermediate_size}, "
-                f"E={c.num_experts}, top_k={c.top_k}, shared={c.n_shared_experts if self.shared else 0}, "
-                f"backend={self.backend!r})")
+        return (f"SparseMoeBlock({c.arch}, layer={self.layer_index}, router={self.router}, H={c.hidden_size}, "
+                f"I={c.moe_intermediate_size}, E={c.num_experts}, top_k={c.top_k}, "
+                f"shared={c.shared_intermediate_size if self.shared else 0}, backend={self.backend!r})")
 
 
-def block_reference(block: SparseMoeBlock, hidden, routing=None) -> np.ndarray:
-    """float64 version of `block(hidden)`: float64 router (unless `routing` = (ids, weights) is given), experts
-    on the fp16-rounded hidden (what the block feeds its experts) through vkmoe.exl3.reference, no fp16
-    intermediates."""
+def _check_tid2eid(tid2eid, config):
+    if tid2eid is None:
+        raise CheckpointError(f"{config.arch} hash layer needs the tid2eid table (token id -> expert ids)")
+    t = np.asarray(tid2eid)
+    if t.dtype.kind not in "iu" or t.ndim != 2 or t.shape[1] != config.top_k:
+        raise CheckpointError(f"tid2eid: expected an integer table (vocab_size, num_experts_per_tok="
+                              f"{config.top_k}), got {t.dtype} {t.shape}")
+    if t.size and (t.min() < 0 or t.max() >= config.num_experts):
+        raise CheckpointError(f"tid2eid: expert ids must be in [0, {config.num_experts}), got "
+                              f"[{t.min()}, {t.max()}]")
+    return t.astype(np.int64)
+
+
+def block_reference(block: SparseMoeBlock, hidden, routing=None, input_ids=None, residual=None) -> np.ndarray:
+    """float64 version of `block(hidden, input_ids)`: float64 router (unless `routing` = (ids, weights) is
+    given), experts on the fp16-rounded hidden (what the block feeds its experts) through
+    vkmoe.exl3.reference, no fp16 intermediates."""
     h = block._check_hidden(hidden)
-    ids, wts = routing if routing is not None else block.route(h.astype(np.float64), dtype=np.float64)
+    f64 = np.dtype(np.float64)
+    if routing is None:
+        r64 = None if residual is None else np.asarray(residual, np.float64)
+        routing = block.route(h.astype(np.float64), input_ids, dtype=f64, residual=r64)
+    ids, wts = routing
     x = h.astype(np.float16).astype(np.float64)
-    out = ref.moe_forward(x, ids, np.asarray(wts, np.float64), block.gate, block.up, block.down,
-                          activation=block.activation, act_limit=0.0, dtype=np.float64)
+    xe = block._expert_input(h, residual).astype(np.float64)  # the experts' fp16 input, as the block feeds them
+    out = ref.moe_forward(xe, ids, block._op_weights(np.asarray(wts, np.float64)), block.gate, block.up, block.down,
+                          activation=block.activation, act_limit=block.act_limit, dtype=np.float64)
+    if block.norms is not None:
+        out = block._norm("routed_out", out, f64)
     if block.shared:
         s = block.shared
         u = ref.linear_forward(x, s["up"], np.float64)
         g = ref.linear_forward(x, s["gate"], np.float64) if s.get("gate") is not None else None
-        out = out + ref.linear_forward(_activate(g, u, block.activation), s["down"], np.float64)
+        a = ref._activate(g, u, block.activation, block.shared_act_limit)
+        y = ref.linear_forward(a, s["down"], np.float64)
+        if block.shared_gate_weight is not None:
+            y = y * _sigmoid(router_logits(x, block.shared_gate_weight, np.float64))
+        if block.norms is not None:
+            y = block._norm("shared_out", y, f64)
+        out = out + y
     return out
 
 
@@ -206,50 +337,74 @@ def _load_linear(src, key, k, n, path, why):
 
 def load_block_tensors(ckpt: Checkpoint, config: MoeConfig, layer_index: int) -> dict:
     """The arrays and Exl3Tensors of layer `layer_index`'s MoE block, checked against `config`."""
-    path = ckpt.path
+    path, spec = ckpt.path, config.spec
     L = config.num_hidden_layers
     if layer_index < 0 or (L and layer_index >= L):
         raise CheckpointError(f"{path}: layer_index={layer_index} out of range (num_hidden_layers={L})")
     if not config.is_moe_layer(layer_index):
         raise CheckpointError(f"{path}: layer {layer_index} is a dense MLP layer in {config.arch} "
-                              f"(first_k_dense_replace / mlp_only_layers / sparse step), not a MoE block")
+                              f"(first_k_dense_replace / mlp_only_layers / sparse step / pattern), not a MoE block")
     E, H, I = config.num_experts, config.hidden_size, config.moe_intermediate_size
-    p = f"model.layers.{layer_index}.mlp"
+    p = spec.prefix.format(layer=layer_index)
     src = ckpt.subset(p + ".")
 
-    def plain(key, shape, why):
+    def plain(key, shape, why, kind="f"):
         if key not in src:
             raise MissingTensorError(f"{path}: tensor {key} not found ({why})")
         arr = src[key]
         if arr.shape != shape:
             raise CheckpointError(f"{path}: {key}: shape {arr.shape} does not match config.json, which implies "
                                   f"{shape} ({why})")
-        if arr.dtype.kind != "f":
-            raise CheckpointError(f"{path}: {key}: expected a float tensor, got {arr.dtype}")
+        if arr.dtype.kind not in kind:
+            raise CheckpointError(f"{path}: {key}: expected a {'float' if kind == 'f' else 'integer'} tensor, "
+                                  f"got {arr.dtype}")
         return arr
 
     # Expert count first: a wrong num_experts also breaks the router's shape, but this names the real cause.
     pat = re.compile(re.escape(p) + r"\.experts\.(\d+)\.")
     stored = {int(mt.group(1)) for k in src.keys() for mt in [pat.match(k)] if mt}
     extra = sorted(e for e in stored if e >= E)
+    ek = spec.experts_key
     if extra:
-        raise CheckpointError(f"{path}: {p}.experts.{extra[0]}.* exists but config.json says num_experts={E} "
+        raise CheckpointError(f"{path}: {p}.experts.{extra[0]}.* exists but config.json says {ek}={E} "
                               f"(the checkpoint holds {max(stored) + 1} experts in layer {layer_index})")
     if stored and max(stored) + 1 < E:
-        raise MissingTensorError(f"{path}: {p}.experts.{max(stored) + 1}.gate_proj.trellis not found: config.json "
-                                 f"says num_experts={E} but layer {layer_index} holds experts 0..{max(stored)}")
-    out = {"router_weight": plain(f"{p}.gate.weight", (E, H), f"router, num_experts={E}, hidden_size={H}")}
-    if config.arch == "deepseek_v3":
-        out["e_score_correction_bias"] = plain(f"{p}.gate.e_score_correction_bias", (E,),
-                                               f"deepseek_v3 selection bias, n_routed_experts={E}")
+        first = next(k for k in spec.expert_keys if k)
+        raise MissingTensorError(f"{path}: {p}.experts.{max(stored) + 1}.{first}.trellis not found: config.json "
+                                 f"says {ek}={E} but layer {layer_index} holds experts 0..{max(stored)}")
+    out = {"router_weight": plain(f"{p}.{spec.router_key}", (E, H), f"router, {ek}={E}, hidden_size={H}")}
+    if spec.per_expert_scale_key:
+        out["per_expert_scale"] = plain(f"{p}.{spec.per_expert_scale_key}", (E,), f"router, {ek}={E}")
+    if spec.norm_keys:
+        out["norms"] = {role: plain(f"{p}.{key}", (H,), f"{role} RMSNorm weight, hidden_size={H}")
+                        for role, key in spec.norm_keys}
+    router = config.router_for(layer_index)
+    if router == "sqrtsp_hash":
+        V = config.vocab_size
+        out["tid2eid"] = plain(f"{p}.gate.tid2eid", (V, config.top_k), f"hash layer {layer_index} < num_hash_layers="
+                               f"{config.num_hash_layers}: vocab_size={V} x num_experts_per_tok={config.top_k}",
+                               kind="iu")
+    elif spec.bias_keys:
+        found = [k for k in spec.bias_keys if f"{p}.{k}" in src]
+        if found:
+            out["e_score_correction_bias"] = plain(f"{p}.{found[0]}", (E,), f"{router} selection bias, {ek}={E}")
+        elif spec.bias_required:
+            raise MissingTensorError(f"{path}: tensor {p}.{spec.bias_keys[0]} not found ({config.arch} "
+                                     f"{router} selection bias, {ek}={E})")
     shapes = {"gate": (H, I), "up": (H, I), "down": (I, H)}
-    for proj in _PROJS:
-        out[proj] = [_load_linear(src, f"{p}.experts.{e}.{proj}_proj", *shapes[proj], path,
-                                  f"expert {e} of num_experts={E}") for e in range(E)]
-    if config.n_shared_experts:
-        Is = config.shared_intermediate_size
+    for proj, name in zip(_PROJS, spec.expert_keys):
+        out[proj] = None if name is None else [
+            _load_linear(src, f"{p}.experts.{e}.{name}", *shapes[proj], path, f"expert {e} of {ek}={E}")
+            for e in range(E)]
+    Is = config.shared_intermediate_size
+    if Is:
         sshape = {"gate": (H, Is), "up": (H, Is), "down": (Is, H)}
-        out["shared"] = {proj: _load_linear(src, f"{p}.shared_experts.{proj}_proj", *sshape[proj], path,
-                                            f"shared experts, n_shared_experts={config.n_shared_experts} x "
-                                            f"moe_intermediate_size={I}") for proj in _PROJS}
+        why = f"shared expert, intermediate {Is} from {spec.shared}"
+        sp = spec.shared_key_prefix(layer_index)
+        ssrc = src if sp.startswith(p + ".") else ckpt.subset(sp + ".")
+        out["shared"] = {proj: None if name is None else _load_linear(ssrc, f"{sp}.{name}", *sshape[proj], path, why)
+                         for proj, name in zip(_PROJS, spec.shared_keys)}
+        if spec.shared_gate:
+            out["shared_gate_weight"] = plain(f"{p}.shared_expert_gate.weight", (1, H),
+                                              f"sigmoid gate of the shared expert, hidden_size={H}")
     return out
