@@ -56,18 +56,22 @@ layout(push_constant) uniform MoePush {
     uint num_workgroups;     // persistent kernel: workgroups launched
     uint spin_limit;         // persistent kernel: iterations of one barrier spin before it gives up
     uint loop_budget;        // persistent kernel: spin iterations allowed in total (below a driver loop cap)
+    uint mode;               // persistent kernel: MOE_MODE_RUN, or MOE_MODE_DISCOVER (co-residency discovery)
 } pc;
+#define MOE_MODE_RUN 0u
+#define MOE_MODE_DISCOVER 1u
 
 // Layout of the sync buffer (words). Counters reset themselves; the host zero-fills once at creation and
 // again only after an aborted persistent launch.
 #define SYNC_ABORT 0u
-#define SYNC_BARRIER 2u        // [2] arrivals, [3] generation
-#define SYNC_TICKETS 4u        // [4 + phase] ticket counters of phases 1..3
-#define SYNC_RETIRED 8u        // workgroups done (the last one resets the tickets)
-#define SYNC_COUNTERS 16u      // arrival counters: gate/up bands, down bands, token bands
+#define SYNC_RETIRED 1u        // persistent: workgroups done (the last one resets the persistent counters)
+#define SYNC_ROUTED 2u         // persistent: 1 once workgroup 0 has written the chunk table
+#define SYNC_STAGE1_DONE 3u    // persistent: workgroups done with their share of stage 1 (and routing)
+#define SYNC_COUNTERS 16u      // arrival counters: gate/up bands, down bands, token bands; then chunk progress
 uint counters_gu() { return SYNC_COUNTERS; }                                   // max_chunks * I/128
 uint counters_d() { return SYNC_COUNTERS + pc.max_chunks * (pc.I / 128u); }   // max_chunks * H/128
 uint counters_tok() { return counters_d() + pc.max_chunks * (pc.H / 128u); }  // m * H/128
+uint counters_chunk_done() { return counters_tok() + pc.m * (pc.H / 128u); }  // max_chunks: I-bands through stage 3
 
 uint R() { return pc.m * pc.top_k; }
 uint route_chunk(uint c) { return 16u + 3u * c; }

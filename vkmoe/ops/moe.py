@@ -25,7 +25,11 @@ MAX_EXPERTS = 1024       # routing counters live in shared memory (3 x 4 bytes p
 class MoePush(PushConstants):
     fields = [("m", "<u4"), ("top_k", "<u4"), ("E", "<u4"), ("H", "<u4"), ("I", "<u4"), ("max_chunks", "<u4"),
               ("splits_gu", "<u4"), ("kt_gu", "<u4"), ("splits_d", "<u4"), ("kt_d", "<u4"),
-              ("act_limit", "<f4"), ("num_workgroups", "<u4"), ("spin_limit", "<u4"), ("loop_budget", "<u4")]
+              ("act_limit", "<f4"), ("num_workgroups", "<u4"), ("spin_limit", "<u4"), ("loop_budget", "<u4"),
+              ("mode", "<u4")]
+
+
+MODE_RUN, MODE_DISCOVER = 0, 1  # MOE_MODE_* in shaders/include/moe_bindings.glsl
 
 
 def _check_experts(name, tensors, k, n, allow_none=False):
@@ -95,9 +99,12 @@ class _Scratch:
         self.route = mem.allocate(4 * (16 + 3 * plan.max_chunks + 2 * R + m))
         self.states = mem.allocate(2 * R * H * 2)
         self.inter = mem.allocate(R * I * 2)
-        self.partial = mem.allocate(4 * max(2 * plan.splits_gu * R * I, plan.splits_d * R * H))
+        # gate/up partials [2][splits_gu][R][I], then down partials [splits_d][R][H] (partial_down in moe_stages.glsl)
+        self.partial = mem.allocate(4 * (2 * plan.splits_gu * R * I + plan.splits_d * R * H))
         self.rows = mem.allocate(4 * R * H)
-        self.sync_words = 16 + plan.max_chunks * (I // 128) + plan.max_chunks * (H // 128) + m * (H // 128)
+        # header, gate/up band arrivals, down band arrivals, token band arrivals, per-chunk gate/up progress
+        self.sync_words = (16 + plan.max_chunks * (I // 128) + plan.max_chunks * (H // 128) + m * (H // 128)
+                           + plan.max_chunks)
         self.sync = mem.allocate(4 * self.sync_words)
         self.reset_sync()
         self.buffers = (self.route, self.states, self.inter, self.partial, self.rows, self.sync)
@@ -216,11 +223,14 @@ class Exl3MoeMlp:
             self._scratch[key] = _Scratch(self.device, plan, self.H, self.I)
         return self._scratch[key]
 
-    def _push(self, plan, pplan=None):
-        return MoePush(m=plan.m, top_k=plan.top_k, E=self.E, H=self.H, I=self.I, max_chunks=plan.max_chunks,
-                       splits_gu=plan.splits_gu, kt_gu=plan.kt_gu, splits_d=plan.splits_d, kt_d=plan.kt_d,
-                       act_limit=self.act_limit, num_workgroups=pplan.workgroups if pplan else 0,
-                       spin_limit=pplan.spin_limit if pplan else 0, loop_budget=pplan.loop_budget if pplan else 0)
+    def _push(self, plan, pplan=None, **override):
+        values = dict(m=plan.m, top_k=plan.top_k, E=self.E, H=self.H, I=self.I, max_chunks=plan.max_chunks,
+                      splits_gu=plan.splits_gu, kt_gu=plan.kt_gu, splits_d=plan.splits_d, kt_d=plan.kt_d,
+                      act_limit=self.act_limit, num_workgroups=pplan.workgroups if pplan else 0,
+                      spin_limit=pplan.spin_limit if pplan else 0, loop_budget=pplan.loop_budget if pplan else 0,
+                      mode=MODE_RUN)
+        values.update(override)
+        return MoePush(**values)
 
     def _bindings(self, scratch, hidden_buf, ids_buf, weights_buf, out_buf):
         g, u, d = self._gate, self._up, self._down
@@ -244,10 +254,33 @@ class Exl3MoeMlp:
         cmd.dispatch(down, down.bind(*buffers), ((self.H // 128) * plan.splits_d, plan.max_chunks), push)
         cmd.barrier()
 
+    def _persistent_pipeline(self, plan):
+        return kernels.pipeline(self.device, "moe_persistent", MoePush, self._spec(plan), decode=True,
+                                binding_count=MOE_BINDINGS)
+
+    def co_resident(self, plan):
+        """How many workgroups of the persistent pipeline for this batch plan the device keeps resident at once,
+        measured by that pipeline itself in its discovery mode (once per pipeline and device; vkmoe.sched.occupancy)."""
+        from ..sched import occupancy
+
+        pipe = self._persistent_pipeline(plan)
+        key = f"{pipe.name}:" + ",".join(f"{k}={int(v)}" for k, v in sorted(pipe.spec.items()))
+        scratch = self._scratch_for(plan.m, plan.top_k)
+        hb, ib, wb, ob = self._io_for(plan.m, plan.top_k)
+
+        def record(rec, words, launched, loop_budget):
+            bufs = list(self._bindings(scratch, hb, ib, wb, ob))
+            bufs[-1] = words  # the sync binding holds the discovery's words
+            dset = pipe.bind(*bufs)
+            rec.dispatch(pipe, dset, launched, self._push(plan, num_workgroups=launched, loop_budget=loop_budget,
+                                                          mode=MODE_DISCOVER))
+            return dset
+
+        return occupancy.measure(self.device, key, record)
+
     def _record_persistent(self, cmd, scratch, buffers, pplan):
         plan, dev = scratch.plan, self.device
-        pipe = kernels.pipeline(dev, "moe_persistent", MoePush, self._spec(plan), decode=True,
-                                binding_count=MOE_BINDINGS)
+        pipe = self._persistent_pipeline(plan)
         cmd.dispatch(pipe, pipe.bind(*buffers), pplan.workgroups, self._push(plan, pplan))
         cmd.barrier()
 
@@ -275,7 +308,8 @@ class Exl3MoeMlp:
         elif mode == "persistent":
             from ..sched.plan import persistent_plan
 
-            pplan = persistent_plan(self.device, scratch.plan, self.E, self.H, self.I, self.gated)
+            pplan = persistent_plan(self.device, scratch.plan, self.E, self.H, self.I, self.gated,
+                                    self.co_resident(scratch.plan))
             if not pplan.allowed:
                 raise ValueError(f"mode='persistent' is not possible here: {pplan.reason}")
             self._record_persistent(cmd, scratch, buffers, pplan)

@@ -9,19 +9,20 @@ ABORT_REASONS = {1: "a spin ran out of its bound", 2: "a ticket lock timed out",
 
 
 def choose_mode(moe, mode, scratch):
-    """(mode to launch, PersistentPlan, reason)."""
-    plan = persistent_plan(moe.device, scratch.plan, moe.E, moe.H, moe.I, moe.gated)
+    """(mode to launch, PersistentPlan or None, reason). A split request never plans the persistent kernel."""
     if mode == "split":
-        return "split", plan, "split requested"
+        return "split", None, "split requested"
+    if mode == "auto":
+        limit, source = auto_switch_point(moe.device)
+        if scratch.plan.m > limit:
+            return "split", None, f"auto: split for m={scratch.plan.m} (persistent only up to m={limit}: {source})"
+    plan = persistent_plan(moe.device, scratch.plan, moe.E, moe.H, moe.I, moe.gated, moe.co_resident(scratch.plan))
     if mode == "persistent":
         if plan.allowed:
             return "persistent", plan, "persistent requested: " + plan.reason
         return "split", plan, "persistent requested but not possible: " + plan.reason
     if not plan.trusted:
         return "split", plan, "auto: " + plan.reason
-    limit, source = auto_switch_point(moe.device)
-    if scratch.plan.m > limit:
-        return "split", plan, f"auto: split for m={scratch.plan.m} (persistent only up to m={limit}: {source})"
     return "persistent", plan, "auto: " + plan.reason
 
 
@@ -43,7 +44,7 @@ def run_forward(moe, mode, hidden, ids, weights, m, top_k):
         if mode != "split":
             fallback = reason
     moe.last_run = {"mode": chosen, "requested": mode, "reason": reason, "fallback_reason": fallback,
-                    "plan": scratch.plan.as_dict(), "persistent_plan": pplan.as_dict(),
+                    "plan": scratch.plan.as_dict(), "persistent_plan": pplan.as_dict() if pplan else None,
                     "workgroups": pplan.workgroups if chosen == "persistent" else None,
                     "groups": pplan.groups if chosen == "persistent" else None,
                     "gpu_ms": gpu_ms, "wall_ms": (time.perf_counter() - start) * 1e3}

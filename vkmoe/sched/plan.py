@@ -11,11 +11,10 @@ from dataclasses import asdict, dataclass
 
 from . import residency
 
-# The persistent kernel: 256 invocations, < 16 KiB of shared memory (had_buf 2 KiB, gemm_red 8 KiB, routing
-# counters 3 KiB). The probe's 16 KiB variant bounds its occupancy from below, so its grid is safe for it.
+# The stand-in probe's variant whose verdict (spin barrier, message passing) the persistent kernel relies on: 256
+# invocations, 16 KiB of shared memory (the kernel uses < 16 KiB: had_buf 2 KiB, gemm_red 8 KiB, routing 3 KiB).
 PERSISTENT_VARIANT = (256, 16384)
 PERSISTENT_MAX_EXPERTS = 256        # ROUTE_MAX_E in shaders/moe_persistent.comp
-SYNC_POLLS = 32                     # polls per spin iteration (shaders/moe_persistent.comp)
 DENY = ("moltenvk", "apple", "mali")  # default-deny: no forward progress guarantee observed/known
 
 
@@ -34,21 +33,27 @@ class PersistentPlan:
         return asdict(self)
 
 
-def _co_resident(device):
-    """(workgroups, source, trusted) for the persistent kernel's variant."""
+def _co_resident(device, measured):
+    """(workgroups, source, trusted) for the persistent kernel. `measured`: what the persistent pipeline itself
+    measured in its discovery mode (vkmoe.sched.occupancy), or None when it was not measured."""
     forced = _positive_int_env("VKMOE_PERSISTENT_GRID", None)
     if forced:
         return forced, "VKMOE_PERSISTENT_GRID (forced; not checked against residency)", True
     entry = residency.lookup(device, PERSISTENT_VARIANT)
+    if entry is not None and not entry.get("persistent"):
+        # The stand-in probe saw barrier timeouts or message-passing violations on this device.
+        return 0, f"probe cache: {entry.get('reason')}", False
     per_cu = _workgroups_per_cu()
-    if entry is not None:
-        if not entry.get("persistent"):
-            return 0, f"probe cache: {entry.get('reason')}", False
-        grid = int(entry["grid"])
-        if per_cu > 1 and device.compute_units:
-            # More than one workgroup per compute unit only as far as the probe measured co-residency.
-            grid = min(int(entry["co_resident"]["min"]), per_cu * device.compute_units)
-        return grid, f"probe cache ({entry.get('probed_at', '?')}): {entry.get('reason')}", True
+    if measured is not None:
+        count = int(measured.get("min", 0))
+        if count < 1:
+            return 0, "the persistent pipeline's discovery measured no co-resident workgroup", False
+        grid, source = count, (f"{count} co-resident workgroups of this pipeline (its own discovery, min of "
+                               f"{len(measured.get('samples', []))} of {measured.get('launched')} launched)")
+        if per_cu and device.compute_units and per_cu * device.compute_units < grid:
+            grid = per_cu * device.compute_units
+            source += f", capped at {per_cu} per compute unit (VKMOE_PERSISTENT_WG_PER_CU)"
+        return grid, source, True
     if device.compute_units:
         return int(device.compute_units), f"{device.compute_units_source}: one workgroup per compute unit", True
     return 0, "no co-resident count for this device (run tools/probe_residency)", False
@@ -68,9 +73,9 @@ def _positive_int_env(name, default):
 
 
 def _workgroups_per_cu():
-    """VKMOE_PERSISTENT_WG_PER_CU: workgroups per compute unit when a probe measured that many co-resident
-    (default 1: the design's one workgroup per compute unit)."""
-    return _positive_int_env("VKMOE_PERSISTENT_WG_PER_CU", 1)
+    """VKMOE_PERSISTENT_WG_PER_CU: an optional cap on the persistent grid in workgroups per compute unit (default
+    none: as many as the pipeline measured co-resident)."""
+    return _positive_int_env("VKMOE_PERSISTENT_WG_PER_CU", None)
 
 
 def work_loop_iterations(moe_plan, E, H, I, gated):
@@ -84,8 +89,10 @@ def work_loop_iterations(moe_plan, E, H, I, gated):
     return 2000 + stage1 + gate_up + down
 
 
-def persistent_plan(device, moe_plan, E, H, I, gated):
-    workgroups, source, trusted = _co_resident(device)
+def persistent_plan(device, moe_plan, E, H, I, gated, measured=None):
+    """The launch plan of the persistent kernel; `measured` is the pipeline's own co-resident count
+    (Exl3MoeMlp.co_resident), which the grid never exceeds."""
+    workgroups, source, trusted = _co_resident(device, measured)
     name = f"{device.name} {device.driver_name}".lower()
     cap = device.quirks.get("loop_iteration_cap")
     spin_limit = 200_000 if device.device_type == "cpu" else 1 << 16
@@ -133,8 +140,3 @@ def auto_switch_point(device):
         shape, entry = min(shapes.items(), key=lambda kv: kv[1]["max_m"])
         return int(entry["max_m"]), f"measured crossover ({shape}, {entry.get('measured_at', '?')})"
     return 0, "no measured crossover for this device (tools/bench_moe --store-crossover)"
-
-
-def auto_prefers_persistent(device, m):
-    """Whether auto mode takes the persistent path for a batch of m tokens (when the plan allows it)."""
-    return m <= auto_switch_point(device)[0]
