@@ -34,15 +34,28 @@ uvec4 gemm_b_word4(int src, uint index) {
 #error "MOE_DEPENDENCY_WAITS needs sync.glsl included before moe_stages.glsl"
 #endif
 uint moe_dep_word = 0u, moe_dep_target = 0u;  // what the next GEMM item waits for
+uint moe_seen_word = 0xFFFFFFFFu, moe_seen_target = 0u;  // the last wait satisfied (counters only grow in a launch)
 uint moe_wait_spent = 0u;                      // spin iterations invocation 0 used (against pc.loop_budget)
 bool moe_launch_failed = false;                // uniform: a wait failed, the launch's results are discarded
 
-// Whole workgroup: wait until sync_words[word] >= target.
+// Whole workgroup: wait until sync_words[word] >= target. A wait already satisfied costs nothing (every
+// gate/up item waits for the same stage-1 count); otherwise invocation 0 spins (ending with an acquire) and one
+// control barrier with acquire semantics hands what the signallers released to the whole workgroup.
 bool moe_wait(uint word, uint target) {
-    bool ok = wg_uniform(uint(sync_spin_until_ge_wg(word, target, pc.spin_limit, pc.loop_budget, moe_wait_spent))) != 0u;
+    if (wg_uniform(uint(word == moe_seen_word && target <= moe_seen_target)) != 0u) return true;
+    if (gl_LocalInvocationIndex == 0u)
+        sync_sh_ok = spin_until_ge(word, target, pc.spin_limit, pc.loop_budget, moe_wait_spent);
+    controlBarrier(gl_ScopeWorkgroup, gl_ScopeQueueFamily, gl_StorageSemanticsBuffer | gl_StorageSemanticsShared,
+                   gl_SemanticsAcquireRelease | gl_SemanticsMakeVisible);
+    bool ok = wg_uniform(uint(sync_sh_ok)) != 0u;
+    // Nobody may write sync_sh_ok again before every invocation has read it.
+    barrier();
     if (!ok) {
         if (gl_LocalInvocationIndex == 0u) sync_set_abort(SYNC_ABORT_SPIN);
         moe_launch_failed = true;
+    } else {
+        moe_seen_word = word;
+        moe_seen_target = target;
     }
     return ok;
 }
