@@ -1,71 +1,92 @@
 #version 450
 // vkmoe-variants: idot=-DEXL3_IDOT f16=-DEXL3_IDOT,-DEXL3_F16
-// The persistent MoE kernel: ONE dispatch of at most the co-resident number of workgroups (the launch plan in
-// vkmoe/sched guarantees it) running every stage of moe_stages.glsl. Workgroups draw work items from a device
-// atomic ticket counter per phase (greedy load balance: no workgroup idles while items remain) and meet at a
-// spin barrier between phases - two per launch, however many experts:
-//   route (workgroup 0) + stage 1 items | gate/up items (+ activation) | down items (+ weighted output)
-// Safety net: every spin is bounded (pc.spin_limit per barrier, pc.loop_budget in total, below lavapipe 22.3's loop
-// cap); a timeout sets the abort flag, every workgroup checks it at each barrier and ticket draw and leaves, and
-// the host re-runs the same inputs in split mode. The last workgroup out resets the tickets, so the next launch
-// needs no host-side clearing.
+// The persistent MoE kernel: ONE dispatch of at most the co-resident number of workgroups of THIS pipeline (the
+// host measures it with this very binary in its discovery mode, pc.mode = MOE_MODE_DISCOVER) running every stage
+// of moe_stages.glsl. There is no grid-wide barrier: work items are dealt out statically (round robin, in the
+// order routing + stage 1, gate/up, down) and a GEMM item waits only for the counter its input depends on, after
+// issuing its first weight loads (MOE_DEPENDENCY_WAITS in moe_stages.glsl):
+//   routing (workgroup 0) + stage 1 (the others)  ->  SYNC_ROUTED, SYNC_STAGE1_DONE
+//   gate/up item (chunk c)  waits for every workgroup's stage-1 share; its stage 3 counts chunk c's bands
+//   down item (chunk c)     waits for chunk c's I/128 bands only, so experts finish independently
+// Why it cannot deadlock while every workgroup is resident: each workgroup runs its items in that order and an
+// item only waits for items earlier in it, which resident workgroups finish without waiting for anything later.
+// Safety net: every wait is bounded (pc.spin_limit each, pc.loop_budget in total, below lavapipe 22.3's loop cap);
+// a failed wait sets the abort flag, waits that see it give up at once, and the host re-runs the inputs in split
+// mode. The last workgroup out resets the counters, so the next launch needs no host-side clearing.
 #include "common.glsl"
 #define WG_SIZE 256u
 #define HAD_ROWS 4u
 #define MOE_ROUTE
 #define ROUTE_MAX_E 256   // keeps this kernel inside the 16 KiB of shared memory Vulkan guarantees
+#define MOE_DEPENDENCY_WAITS
 layout(local_size_x = 256) in;
 #include "moe_bindings.glsl"
 #define SYNC_BUF sync_words
 #define SYNC_POLLS 32
 #include "sync.glsl"
+#include "occupancy.glsl"
 #include "moe_stages.glsl"
 
-uint spin_spent = 0u;   // loop iterations this invocation has spent spinning (invocation 0 only)
-shared uint s_ticket;
-shared bool s_abort;
+shared bool s_last_out;
 
-bool grid_barrier() {
-    bool ok = sync_group_barrier_wg(SYNC_BARRIER, pc.num_workgroups, pc.spin_limit, pc.loop_budget, spin_spent);
-    return wg_uniform(uint(ok)) != 0u;
+// Discovery mode: the sync binding holds one 16-word measurement (occupancy.glsl) whose words OCC_PARAMS.. carry
+// the poll bounds the host chose; pc.num_workgroups is the grid launched.
+void discover() {
+    if (gl_LocalInvocationIndex == 0u)
+        occupancy_discover(0u, pc.num_workgroups, sync_words[OCC_PARAMS], sync_words[OCC_PARAMS + 1u],
+                           sync_words[OCC_PARAMS + 2u], pc.loop_budget);
 }
 
-// Draw tickets of `phase` until they run out (true) or the launch is aborted (false).
-bool run_phase(uint phase, uint items) {
-    for (;;) {
-        barrier();
-        if (gl_LocalInvocationIndex == 0u) {
-            s_ticket = sync_add_relaxed(SYNC_TICKETS + phase, 1u);
-            s_abort = sync_aborted();
-        }
-        barrier();
-        if (wg_uniform(uint(s_abort)) != 0u) return false;
-        uint ticket = wg_uniform(s_ticket);
-        if (ticket >= items) return true;
-        if (phase == 1u) moe_stage1(ticket);
-        else if (phase == 2u) moe_gate_up(ticket);
-        else moe_down(ticket);
+// The last workgroup out of a launch that was not aborted resets the persistent counters (an aborted launch is
+// cleared by the host before anything else runs).
+void retire() {
+    uint tid = gl_LocalInvocationIndex;
+    SYNC_WG_BARRIER();
+    if (tid == 0u) s_last_out = sync_add(SYNC_RETIRED, 1u) == pc.num_workgroups - 1u && !sync_aborted();
+    SYNC_WG_BARRIER();
+    if (wg_uniform(uint(s_last_out)) == 0u) return;
+    uint chunks = routed_chunks();
+    for (uint c0 = 0u; c0 < chunks; c0 += WG_SIZE) {
+        uint c = c0 + tid;
+        if (c < chunks) sync_store_relaxed(counters_chunk_done() + c, 0u);
+    }
+    if (tid == 0u) {
+        sync_store_relaxed(SYNC_ROUTED, 0u);
+        sync_store_relaxed(SYNC_STAGE1_DONE, 0u);
+        sync_store(SYNC_RETIRED, 0u);
     }
 }
 
 void main() {
-    // Stage 1 needs no routing result (rows by (token, slot)): workgroup 0 routes, then joins the others.
-    if (gl_WorkGroupID.x == 0u) moe_route();
-    bool ok = run_phase(1u, stage1_items());
-    if (ok) ok = grid_barrier();
-    if (ok) ok = run_phase(2u, routed_chunks() * gu_items_per_chunk());
-    if (ok) ok = grid_barrier();
-    if (ok) ok = run_phase(3u, routed_chunks() * down_items_per_chunk());
-    // Retire. The last workgroup out (of a launch that was not aborted) resets the tickets; after an abort the
-    // host clears the whole sync area before anything else runs.
-    SYNC_WG_BARRIER();
-    if (gl_LocalInvocationIndex == 0u) {
-        uint retired = sync_add(SYNC_RETIRED, 1u);
-        if (retired == pc.num_workgroups - 1u && !sync_aborted()) {
-            sync_store_relaxed(SYNC_TICKETS + 1u, 0u);
-            sync_store_relaxed(SYNC_TICKETS + 2u, 0u);
-            sync_store_relaxed(SYNC_TICKETS + 3u, 0u);
-            sync_store(SYNC_RETIRED, 0u);
-        }
+    if (pc.mode == MOE_MODE_DISCOVER) {
+        discover();
+        return;
     }
+    uint G = pc.num_workgroups, wg = wg_uniform(gl_WorkGroupID.x);
+    // Routing needs nothing and stage 1 needs only the expert ids (rows by (token, slot)): workgroup 0 routes while
+    // the others share stage 1 (all of it is workgroup 0's when the grid is 1).
+    if (wg == 0u) {
+        moe_route();
+        moe_signal(SYNC_ROUTED);
+    }
+    uint s1_items = stage1_items();
+    uint s1_first = G == 1u ? 0u : wg == 0u ? s1_items : wg - 1u;
+    uint s1_step = G == 1u ? 1u : G - 1u;
+    for (uint u = s1_first; u < s1_items; u += s1_step) moe_stage1(u);
+    moe_signal(SYNC_STAGE1_DONE);
+    // The chunk table says which gate/up and down items exist (usually long written by now).
+    moe_wait(SYNC_ROUTED, 1u);
+    uint gu_items = moe_launch_failed ? 0u : routed_chunks() * gu_items_per_chunk();
+    for (uint i = wg; i < gu_items; i += G) {
+        moe_gate_up(i);
+        if (moe_launch_failed) break;
+    }
+    // Down items continue the round robin where gate/up left off, so the workgroups with fewer gate/up items
+    // start on them first.
+    uint d_items = moe_launch_failed ? 0u : routed_chunks() * down_items_per_chunk();
+    for (uint i = (wg + G - gu_items % G) % G; i < d_items; i += G) {
+        moe_down(i);
+        if (moe_launch_failed) break;
+    }
+    retire();
 }

@@ -88,13 +88,13 @@ def test_wait_rejects_a_bad_timeout(device, monkeypatch):
 
 
 def test_split_reads_no_persistent_knob(monkeypatch):
-    """A broken VKMOE_PERSISTENT_GRID must not break dispatch="split"; auto names the variable."""
+    """A broken VKMOE_PERSISTENT_GRID must not break dispatch="split"; a persistent request names the variable."""
     monkeypatch.setenv("VKMOE_PERSISTENT_GRID", "abc")
     plan = SimpleNamespace(m=1, top_k=1, R=1, max_chunks=2, splits_gu=1, kt_gu=1, splits_d=1, kt_d=1)
     decision = sched_plan.decide(object(), plan, "split", 8, 256, 128, True)
     assert (decision.mode, decision.plan) == ("split", None)
     with pytest.raises(knobs.KnobError, match="VKMOE_PERSISTENT_GRID"):
-        sched_plan.decide(object(), plan, "auto", 8, 256, 128, True)
+        sched_plan.decide(object(), plan, "persistent", 8, 256, 128, True)
 
 
 def test_split_runs_with_a_broken_persistent_grid(device, monkeypatch):
@@ -108,4 +108,4 @@ def test_split_runs_with_a_broken_persistent_grid(device, monkeypatch):
         assert moe.last_run["mode"] == "split" and moe.last_run["persistent_plan"] is None
         assert np.isfinite(out).all() and rel_rms(out, call["ref_out"]) < 3e-3
         with pytest.raises(knobs.KnobError, match="VKMOE_PERSISTENT_GRID"):
-            moe(call["x"], call["selected"], call["weights"], dispatch="auto")
+            moe(call["x"], call["selected"], call["weights"], dispatch="persistent")

@@ -130,8 +130,8 @@ def test_sizes_and_grids():
     R = 15
     size = layout.scratch_bytes(Plan, H, I)
     assert size["route"] == 4 * (16 + 3 * 9 + 2 * R + 5)
-    assert size["sync"] == 4 * (16 + 9 * 2 + 9 * 3 + 5 * 3)
-    assert size["partial"] == 4 * max(2 * 2 * R * I, 3 * R * H)
+    assert size["sync"] == 4 * (16 + 9 * 2 + 9 * 3 + 5 * 3 + 9)  # + per-chunk progress (persistent)
+    assert size["partial"] == 4 * (2 * 2 * R * I + 3 * R * H)     # gate/up partials, then down partials
     route, gate_up, down = layout.split_grids(Plan, H, I, gated=True)
     assert route == (1 + layout.ceil_div(R * 3, 2), 1)
     assert gate_up == (2 * 2 * 2, 9) and down == (3 * 3, 9)

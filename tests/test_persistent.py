@@ -72,10 +72,9 @@ def test_scheduler_state_resets_itself_over_100_launches(layers):
         assert moe.last_run["mode"] == "persistent"
     assert np.array_equal(_bits(out), _bits(expected))
     words = sync.download(np.uint32)
-    # abort flag, barrier arrivals, phase tickets, retired count and every arrival counter are back to 0; only
-    # the barrier generation (word 3) moves on, by 2 barriers per launch
-    assert words[0] == 0 and words[2] == 0 and not words[4:16].any() and not words[16:].any(), words[:24]
-    assert words[3] % 2 == 0 and words[3] >= 200
+    # abort flag, retired count, routing flag, stage-1 count, every arrival counter and every chunk's progress
+    # counter are back to 0 (the last workgroup out resets the persistent ones)
+    assert not words.any(), np.nonzero(words)[0][:24]
 
 
 def test_forced_oversubscription_falls_back_to_split_quickly(tmp_path):
@@ -215,7 +214,7 @@ def test_plan_uses_vendor_count_and_default_deny(tmp_path, monkeypatch):
         p = sched_plan.persistent_plan(_fake_device(name=name), _moe_plan(), 8, 256, 128, True)
         assert p.allowed and not p.trusted and "off by default" in p.reason
     p = sched_plan.persistent_plan(_fake_device(compute_units=None), _moe_plan(), 8, 256, 128, True)
-    assert not p.allowed and "probe_residency" in p.reason
+    assert not p.allowed and "vkmoe probe" in p.reason
     p = sched_plan.persistent_plan(_fake_device(), _moe_plan(E=300), 300, 256, 128, True)
     assert not p.allowed and "at most 256" in p.reason
 
@@ -228,23 +227,54 @@ def test_plan_refuses_work_past_the_loop_cap(tmp_path, monkeypatch):
     assert not big.allowed and "65536" in big.reason
 
 
-def test_plan_prefers_the_probe_cache(tmp_path, monkeypatch):
+def test_plan_uses_the_pipelines_own_count(tmp_path, monkeypatch):
     monkeypatch.setenv("VKMOE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("VKMOE_PERSISTENT_WG_PER_CU", raising=False)
     dev = _fake_device(compute_units=8)
+    measured = {"min": 24, "median": 24, "samples": [24, 25, 24], "launched": 128}
+    p = sched_plan.persistent_plan(dev, _moe_plan(), 8, 256, 128, True, measured)
+    assert p.allowed and p.trusted and p.workgroups == 24 and "this pipeline" in p.source
+    monkeypatch.setenv("VKMOE_PERSISTENT_WG_PER_CU", "2")
+    p = sched_plan.persistent_plan(dev, _moe_plan(), 8, 256, 128, True, measured)
+    assert p.workgroups == 16 and "VKMOE_PERSISTENT_WG_PER_CU" in p.source
+    monkeypatch.delenv("VKMOE_PERSISTENT_WG_PER_CU")
+    p = sched_plan.persistent_plan(dev, _moe_plan(), 8, 256, 128, True, dict(measured, min=0))
+    assert not p.allowed and "no co-resident" in p.reason
+    # the stand-in probe's failed verdict (litmus violations) keeps the persistent kernel off whatever was measured
     report = {"quirks": {"loop_iteration_cap": None}, "device": {"compute_units": 8}, "dispatch_us": 3.0,
               "variants": [{"workgroup_size": 256, "shared_bytes": 16384,
                             "co_resident": {"min": 24, "median": 24, "samples": [24], "launched": 64},
-                            "verdict": {"persistent": True, "grid": 8, "reason": "24 co-resident"},
-                            "barrier_us": 2.0, "litmus_violations": 0}]}
+                            "verdict": {"persistent": False, "grid": 0, "reason": "litmus violations"},
+                            "barrier_us": 2.0, "litmus_violations": 3}]}
     residency.store(dev, report)
-    p = sched_plan.persistent_plan(dev, _moe_plan(), 8, 256, 128, True)
-    assert p.workgroups == 8 and "probe cache" in p.source
-    monkeypatch.setenv("VKMOE_PERSISTENT_WG_PER_CU", "2")
-    assert sched_plan.persistent_plan(dev, _moe_plan(), 8, 256, 128, True).workgroups == 16
-    report["variants"][0]["verdict"] = {"persistent": False, "grid": 0, "reason": "litmus violations"}
-    residency.store(dev, report)
-    p = sched_plan.persistent_plan(dev, _moe_plan(), 8, 256, 128, True)
+    p = sched_plan.persistent_plan(dev, _moe_plan(), 8, 256, 128, True, measured)
     assert not p.allowed and "litmus" in p.reason
+
+
+def test_discovery_measures_the_pipeline_itself(device, layers, tmp_path, monkeypatch):
+    """The persistent pipeline's own discovery finds lavapipe's worker threads, the plan launches that many, and
+    the measurement is cached per pipeline (spec constants included) for the next process."""
+    monkeypatch.setenv("VKMOE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("VKMOE_PERSISTENT_GRID", raising=False)
+    from vkmoe.sched import occupancy
+
+    L, moe = layers(golden_files()[0])
+    call = L.calls[0]
+    m, top_k = call["selected"].shape
+    plan = moe._scratch_for(m, top_k).plan
+    occupancy._measured.clear()
+    measured = moe.co_resident(plan)
+    assert measured["launched"] == occupancy.launch_size(device) > measured["min"] >= 1
+    if device.is_lavapipe:
+        assert measured["min"] == device.compute_units, measured
+    moe(call["x"], call["selected"], call["weights"], dispatch="persistent")
+    assert moe.last_run["mode"] == "persistent" and moe.last_run["workgroups"] == measured["min"]
+    entries = json.load(open(tmp_path / "residency.json"))
+    (pipelines,) = [v["pipelines"]["entries"] for v in entries.values() if "pipelines" in v]
+    (key,) = [k for k in pipelines if k.startswith("moe_persistent")]
+    assert f"4={plan.rows}" in key and pipelines[key]["min"] == measured["min"]
+    occupancy._measured.clear()
+    assert moe.co_resident(plan)["min"] == measured["min"]  # from the cache file, not measured again
 
 
 def test_auto_switch_point_comes_from_measurements(tmp_path, monkeypatch):

@@ -71,10 +71,10 @@ KNOBS = {k.name: k for k in (
     Knob("VKMOE_BACKEND", None, "a backend name (vulkan or cpu)", str.lower),
     Knob("VKMOE_DISPATCH", "auto", "auto, persistent or split", _choice("auto", "persistent", "split")),
     Knob("VKMOE_DECODE", "auto", "auto, f16 or fp32", _choice("auto", "f16", "fp32")),
-    Knob("VKMOE_GEMM_WG_PER_CU", 4, "a positive integer", _int_at_least(1)),
+    Knob("VKMOE_GEMM_WG_PER_CU", 3, "a positive integer", _int_at_least(1)),
     Knob("VKMOE_MOE_ROWS", None, "1, 4, 8 or 16", _choice(1, 4, 8, 16, convert=int)),
     Knob("VKMOE_PERSISTENT_GRID", None, "a positive integer", _int_at_least(1)),
-    Knob("VKMOE_PERSISTENT_WG_PER_CU", 1, "a positive integer", _int_at_least(1)),
+    Knob("VKMOE_PERSISTENT_WG_PER_CU", None, "a positive integer", _int_at_least(1)),
     Knob("VKMOE_PERSISTENT_MAX_M", None, "an integer >= 0", _int_at_least(0)),
 )}
 

@@ -40,11 +40,14 @@ SPEC_F16_FMA_FUSED = 15
 
 # ------------------------------------------------------------------------------------ sync buffer (words)
 # Counters reset themselves; the host zero-fills once at creation and again only after an aborted launch.
-SYNC_ABORT = 0       # abort code (ABORT_*)
-SYNC_BARRIER = 2     # [2] arrivals, [3] generation of the persistent kernel's grid barrier
-SYNC_TICKETS = 4     # [4 + phase] ticket counters of phases 1..3
-SYNC_RETIRED = 8     # workgroups done (the last one resets the tickets)
-SYNC_COUNTERS = 16   # arrival counters: gate/up bands, down bands, token bands
+SYNC_ABORT = 0         # abort code (ABORT_*)
+SYNC_RETIRED = 1       # persistent: workgroups done (the last one resets the persistent counters)
+SYNC_ROUTED = 2        # persistent: 1 once workgroup 0 has written the chunk table
+SYNC_STAGE1_DONE = 3   # persistent: workgroups done with their share of routing + stage 1
+SYNC_COUNTERS = 16     # arrival counters: gate/up bands, down bands, token bands; then per-chunk progress
+
+# The persistent kernel's push-constant `mode` (moe_bindings.glsl): run the MoE, or measure its own co-residency.
+MOE_MODE_RUN, MOE_MODE_DISCOVER = 0, 1
 
 # ----------------------------------------------------------------------------------- route buffer (words)
 # [0] rows routed, [1] chunks; then (expert, first sorted row, rows) per chunk; then per sorted row its flat
@@ -70,7 +73,10 @@ def route_words(m, top_k, max_chunks):
 
 
 def sync_words(m, max_chunks, H, I):
-    return SYNC_COUNTERS + max_chunks * (I // BAND) + max_chunks * (H // BAND) + m * (H // BAND)
+    # header, gate/up band arrivals, down band arrivals, token band arrivals, per-chunk gate/up progress
+    # (counters_chunk_done in moe_bindings.glsl: I-bands through stage 3, what a persistent down item waits for)
+    return (SYNC_COUNTERS + max_chunks * (I // BAND) + max_chunks * (H // BAND) + m * (H // BAND)
+            + max_chunks)
 
 
 def scratch_bytes(plan, H, I):
@@ -80,7 +86,9 @@ def scratch_bytes(plan, H, I):
         "route": 4 * route_words(plan.m, plan.top_k, plan.max_chunks),
         "states": 2 * (2 * R * H),      # fp16 [2][R][H]: gate and up inputs
         "inter": 2 * (R * I),           # fp16 [R][I]: down input
-        "partial": 4 * max(2 * plan.splits_gu * R * I, plan.splits_d * R * H),  # fp32 k-split partials
+        # fp32 k-split partials: gate/up [2][splits_gu][R][I], then down [splits_d][R][H] (partial_down in
+        # moe_stages.glsl: the persistent kernel runs a chunk's down GEMM while others are in gate/up)
+        "partial": 4 * (2 * plan.splits_gu * R * I + plan.splits_d * R * H),
         "rows": 4 * (R * H),            # fp32 [R][H]: one row per (token, slot)
         "sync": 4 * sync_words(plan.m, plan.max_chunks, H, I),
     }
@@ -149,8 +157,10 @@ def _defines():
     for name in ("K", "CB", "ROWS", "HAS_BIAS"):
         yield f"SPEC_LINEAR_{name}", str(globals()["SPEC_LINEAR_" + name])
     yield "SPEC_F16_FMA_FUSED", str(SPEC_F16_FMA_FUSED)
-    for name in ("ABORT", "BARRIER", "TICKETS", "RETIRED", "COUNTERS"):
+    for name in ("ABORT", "RETIRED", "ROUTED", "STAGE1_DONE", "COUNTERS"):
         yield f"SYNC_{name}", f"{globals()['SYNC_' + name]}u"
+    yield "MOE_MODE_RUN", f"{MOE_MODE_RUN}u"
+    yield "MOE_MODE_DISCOVER", f"{MOE_MODE_DISCOVER}u"
     yield "ROUTE_ROWS", f"{ROUTE_ROWS}u"
     yield "ROUTE_CHUNKS", f"{ROUTE_CHUNKS}u"
     yield "ROUTE_HEADER", f"{ROUTE_HEADER}u"

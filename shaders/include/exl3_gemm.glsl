@@ -11,7 +11,8 @@
 //   uint gemm_a_word(const int src, uint index)      packed fp16 pair of A (two consecutive k of one row)
 //   uint gemm_b_word(const int src, uint index)      trellis word
 //   uvec4 gemm_a_word4 / gemm_b_word4(src, index4)   the same memory, 16 bytes at a time
-// and includes exl3_decode.glsl first.
+// and includes exl3_decode.glsl first. Optional: GEMM_AFTER_PREFETCH(), called by the whole workgroup once the
+// first weight tiles are requested and before A is read (the persistent MoE kernel waits for its inputs there).
 
 #ifndef EXL3_GEMM_GLSL
 #define EXL3_GEMM_GLSL
@@ -70,6 +71,11 @@ void gemm_accumulate(const int a_src, int b_src, int K, const int cb, uint nr,
         next_prev = gemm_b_word(b_src, base + prev_index);
 #endif
     }
+#ifdef GEMM_AFTER_PREFETCH
+    // The includer's wait for A (the persistent MoE kernel's dependency on the previous stage): the first tile's
+    // weight loads above are already in flight, and weights depend on nothing.
+    GEMM_AFTER_PREFETCH();
+#endif
     for (; kt < kt1; kt += 4u) {
         uint words[8] = next;
         uint prev = next_prev;

@@ -53,12 +53,14 @@ layout(push_constant) uniform MoePush {
     uint num_workgroups;     // persistent kernel: workgroups launched
     uint spin_limit;         // persistent kernel: iterations of one barrier spin before it gives up
     uint loop_budget;        // persistent kernel: spin iterations allowed in total (below a driver loop cap)
+    uint mode;               // persistent kernel: MOE_MODE_RUN, or MOE_MODE_DISCOVER (co-residency discovery)
 } pc;
 
-// The sync buffer (SYNC_* words, layout.py): the abort word, the grid barrier, tickets, then arrival counters.
+// The sync buffer (SYNC_* words, layout.py): the header, then the arrival counters, then per-chunk progress.
 uint counters_gu() { return SYNC_COUNTERS; }                                   // max_chunks * I/BAND
 uint counters_d() { return SYNC_COUNTERS + pc.max_chunks * (pc.I / BAND); }   // max_chunks * H/BAND
 uint counters_tok() { return counters_d() + pc.max_chunks * (pc.H / BAND); }  // m * H/BAND
+uint counters_chunk_done() { return counters_tok() + pc.m * (pc.H / BAND); }  // max_chunks: I-bands through stage 3
 
 uint R() { return pc.m * pc.top_k; }
 uint route_chunk(uint c) { return ROUTE_HEADER + ROUTE_CHUNK_WORDS * c; }

@@ -25,6 +25,49 @@ uvec4 gemm_a_word4(const int src, uint index) { return src == 0 ? states4[index]
 uvec4 gemm_b_word4(int src, uint index) {
     return src == 0 ? gate_trellis4[index] : src == 1 ? up_trellis4[index] : down_trellis4[index];
 }
+#ifdef MOE_DEPENDENCY_WAITS
+// The persistent kernel has no grid-wide barrier: a GEMM item waits only for the counter its inputs depend on
+// (gate/up: every workgroup's share of routing + stage 1; down: its chunk's gate/up bands), and only after its
+// first weight tiles were requested (GEMM_AFTER_PREFETCH): weights depend on no stage, so their latency overlaps
+// the wait. Waits are bounded; a failed wait sets the abort flag and the host re-runs the split path.
+#ifndef VKMOE_SYNC_GLSL
+#error "MOE_DEPENDENCY_WAITS needs sync.glsl included before moe_stages.glsl"
+#endif
+uint moe_dep_word = 0u, moe_dep_target = 0u;  // what the next GEMM item waits for
+uint moe_seen_word = 0xFFFFFFFFu, moe_seen_target = 0u;  // the last wait satisfied (counters only grow in a launch)
+uint moe_wait_spent = 0u;                      // spin iterations invocation 0 used (against pc.loop_budget)
+bool moe_launch_failed = false;                // uniform: a wait failed, the launch's results are discarded
+
+// Whole workgroup: wait until sync_words[word] >= target. A wait already satisfied costs nothing (every
+// gate/up item waits for the same stage-1 count); otherwise invocation 0 spins (ending with an acquire) and one
+// control barrier with acquire semantics hands what the signallers released to the whole workgroup.
+bool moe_wait(uint word, uint target) {
+    if (wg_uniform(uint(word == moe_seen_word && target <= moe_seen_target)) != 0u) return true;
+    if (gl_LocalInvocationIndex == 0u)
+        sync_sh_ok = spin_until_ge(word, target, pc.spin_limit, pc.loop_budget, moe_wait_spent);
+    controlBarrier(gl_ScopeWorkgroup, gl_ScopeQueueFamily, gl_StorageSemanticsBuffer | gl_StorageSemanticsShared,
+                   gl_SemanticsAcquireRelease | gl_SemanticsMakeVisible);
+    bool ok = wg_uniform(uint(sync_sh_ok)) != 0u;
+    // Nobody may write sync_sh_ok again before every invocation has read it.
+    barrier();
+    if (!ok) {
+        if (gl_LocalInvocationIndex == 0u) sync_set_abort(SYNC_ABORT_SPIN);
+        moe_launch_failed = true;
+    } else {
+        moe_seen_word = word;
+        moe_seen_target = target;
+    }
+    return ok;
+}
+
+// Whole workgroup: publish everything written so far and count it at sync_words[word].
+void moe_signal(uint word) {
+    SYNC_WG_BARRIER();
+    if (gl_LocalInvocationIndex == 0u) sync_add(word, 1u);
+}
+#define GEMM_AFTER_PREFETCH() moe_wait(moe_dep_word, moe_dep_target)
+#endif
+
 #include "exl3_decode.glsl"
 #include "hadamard128.glsl"
 #include "exl3_gemm.glsl"
@@ -237,14 +280,22 @@ void moe_gate_up(uint item) {
     [[unroll]] for (int r = 0; r < GEMM_ROWS; ++r)
         gemm_row_base[r] = (proj * R() + route[route_row_flat(p0 + min(uint(r), nr - 1u))]) * (pc.H / 2u);
     gemm_clear();
+#ifdef MOE_DEPENDENCY_WAITS
+    moe_dep_word = SYNC_STAGE1_DONE;   // the rows' states, written by every workgroup's stage-1 share
+    moe_dep_target = pc.num_workgroups;
+#endif
     // One call, not one per projection in an if/else: Mesa 22.3's lavapipe skips a loop inside a branch of a
     // shader with barriers. K folds to a constant when gate and up share their bit width.
     int k_bits = proj == 0u ? K_GATE : K_UP;
     gemm_accumulate(0, int(proj), k_bits, CB, nr, e * tiles_k * tiles_n * 8u * uint(k_bits), tiles_n, band, kt0, kt1);
     uint base = (proj * pc.splits_gu + s) * R() * pc.I;
     if (gemm_finish_partial(base, pc.I, p0, nr, band, counters_gu() + c * (pc.I / 128u) + band,
-                            gu_projections() * pc.splits_gu))
+                            gu_projections() * pc.splits_gu)) {
         moe_stage3(e, p0, nr, band);
+#ifdef MOE_DEPENDENCY_WAITS
+        moe_signal(counters_chunk_done() + c);  // one more 128-band of this chunk's down input is written
+#endif
+    }
 }
 
 float gu_sum(uint proj, uint p, uint col) {
@@ -294,6 +345,9 @@ void moe_stage3(uint e, uint p0, uint nr, uint band) {
 
 // ------------------------------------------------------------------ stage 4 (+5): down GEMM, weighted output
 uint down_items_per_chunk() { return (pc.H / 128u) * pc.splits_d; }
+// The down partials follow the gate/up partials ([2][splits_gu][R][I]) instead of reusing them: in the persistent
+// kernel a chunk's down GEMM runs while other chunks are still in gate/up.
+uint partial_down() { return 2u * pc.splits_gu * R() * pc.I; }
 
 void moe_stage5(uint e, uint p0, uint nr, uint band);
 
@@ -307,8 +361,13 @@ void moe_down(uint item) {
     uint kt0 = s * pc.kt_d, kt1 = min(tiles_k, kt0 + pc.kt_d);
     [[unroll]] for (int r = 0; r < GEMM_ROWS; ++r) gemm_row_base[r] = (p0 + uint(r)) * (pc.I / 2u);
     gemm_clear();
+#ifdef MOE_DEPENDENCY_WAITS
+    moe_dep_word = counters_chunk_done() + c;  // every 128-band of the chunk's inter (the down k dimension)
+    moe_dep_target = pc.I / 128u;
+#endif
     gemm_accumulate(1, 2, K_DOWN, CB, nr, e * tiles_k * tiles_n * 8u * uint(K_DOWN), tiles_n, band, kt0, kt1);
-    if (gemm_finish_partial(s * R() * pc.H, pc.H, p0, nr, band, counters_d() + c * (pc.H / 128u) + band, pc.splits_d))
+    if (gemm_finish_partial(partial_down() + s * R() * pc.H, pc.H, p0, nr, band, counters_d() + c * (pc.H / 128u) + band,
+                            pc.splits_d))
         moe_stage5(e, p0, nr, band);
 }
 
@@ -319,7 +378,7 @@ void moe_stage5(uint e, uint p0, uint nr, uint band) {
             uint rr = i >> 7, col = band * 128u + (i & 127u);
             float v = 0.0;
             uint p = min(p0 + r0 + rr, R() - 1u);  // every lane loops the same (see gu_sum's caller)
-            for (uint s = 0u; s < pc.splits_d; ++s) v += partial[(s * R() + p) * pc.H + col];
+            for (uint s = 0u; s < pc.splits_d; ++s) v += partial[partial_down() + (s * R() + p) * pc.H + col];
             had_buf[i] = r0 + rr < nr ? rn16(v) : 0.0;  // the fp16 down GEMM output
         }
         barrier();

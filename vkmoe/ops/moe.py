@@ -36,7 +36,10 @@ STATUS_BYTES = 16       # after the (m, H) output in the readback buffer: the pe
 class MoePush(PushConstants):
     fields = [("m", "<u4"), ("top_k", "<u4"), ("E", "<u4"), ("H", "<u4"), ("I", "<u4"), ("max_chunks", "<u4"),
               ("splits_gu", "<u4"), ("kt_gu", "<u4"), ("splits_d", "<u4"), ("kt_d", "<u4"),
-              ("act_limit", "<f4"), ("num_workgroups", "<u4"), ("spin_limit", "<u4"), ("loop_budget", "<u4")]
+              ("act_limit", "<f4"), ("num_workgroups", "<u4"), ("spin_limit", "<u4"), ("loop_budget", "<u4"),
+              ("mode", "<u4")]
+
+
 
 
 def _check_experts(name, tensors, k, n, allow_none=False):
@@ -303,11 +306,14 @@ class Exl3MoeMlp:
             self._scratch[key] = _Scratch(self.device, plan, self.H, self.I)
         return self._scratch[key]
 
-    def _push(self, plan, pplan=None):
-        return MoePush(m=plan.m, top_k=plan.top_k, E=self.E, H=self.H, I=self.I, max_chunks=plan.max_chunks,
-                       splits_gu=plan.splits_gu, kt_gu=plan.kt_gu, splits_d=plan.splits_d, kt_d=plan.kt_d,
-                       act_limit=self.act_limit, num_workgroups=pplan.workgroups if pplan else 0,
-                       spin_limit=pplan.spin_limit if pplan else 0, loop_budget=pplan.loop_budget if pplan else 0)
+    def _push(self, plan, pplan=None, **override):
+        values = dict(m=plan.m, top_k=plan.top_k, E=self.E, H=self.H, I=self.I, max_chunks=plan.max_chunks,
+                      splits_gu=plan.splits_gu, kt_gu=plan.kt_gu, splits_d=plan.splits_d, kt_d=plan.kt_d,
+                      act_limit=self.act_limit, num_workgroups=pplan.workgroups if pplan else 0,
+                      spin_limit=pplan.spin_limit if pplan else 0, loop_budget=pplan.loop_budget if pplan else 0,
+                      mode=layout.MOE_MODE_RUN)
+        values.update(override)
+        return MoePush(**values)
 
     def _bindings(self, scratch, hidden_buf, ids_buf, weights_buf, out_buf):
         g, u, d = self._gate, self._up, self._down
@@ -329,10 +335,33 @@ class Exl3MoeMlp:
         cmd.dispatch(down, down.bind(*buffers), down_grid, push)
         cmd.barrier()
 
+    def _persistent_pipeline(self, plan):
+        return kernels.pipeline(self.device, "moe_persistent", MoePush, self._spec(plan), decode=True,
+                                binding_count=MOE_BINDINGS)
+
+    def co_resident(self, plan):
+        """How many workgroups of the persistent pipeline for this batch plan the device keeps resident at once,
+        measured by that pipeline itself in its discovery mode (once per pipeline and device; vkmoe.sched.occupancy)."""
+        from ..sched import occupancy
+
+        pipe = self._persistent_pipeline(plan)
+        key = f"{pipe.name}:" + ",".join(f"{k}={int(v)}" for k, v in sorted(pipe.spec.items()))
+        scratch = self._scratch_for(plan.m, plan.top_k)
+        hb, ib, wb, ob = self._io_for(plan.m, plan.top_k)
+
+        def record(rec, words, launched, loop_budget):
+            bufs = list(self._bindings(scratch, hb, ib, wb, ob))
+            bufs[-1] = words  # the sync binding holds the discovery's words
+            dset = pipe.bind(*bufs)
+            rec.dispatch(pipe, dset, launched, self._push(plan, num_workgroups=launched, loop_budget=loop_budget,
+                                                          mode=layout.MOE_MODE_DISCOVER))
+            return dset
+
+        return occupancy.measure(self.device, key, record)
+
     def _record_persistent(self, cmd, scratch, buffers, pplan):
         plan, dev = scratch.plan, self.device
-        pipe = kernels.pipeline(dev, "moe_persistent", MoePush, self._spec(plan), decode=True,
-                                binding_count=MOE_BINDINGS)
+        pipe = self._persistent_pipeline(plan)
         cmd.dispatch(pipe, pipe.bind(*buffers), pplan.workgroups, self._push(plan, pplan))
         cmd.barrier()
 
@@ -359,7 +388,8 @@ class Exl3MoeMlp:
         if mode == "split":
             self._record_split(cmd, scratch, buffers)
         elif mode == "persistent":
-            pplan = persistent_plan(self.device, scratch.plan, self.E, self.H, self.I, self.gated)
+            pplan = persistent_plan(self.device, scratch.plan, self.E, self.H, self.I, self.gated,
+                                    self.co_resident(scratch.plan))
             if not pplan.allowed:
                 raise ValueError(f"mode='persistent' is not possible here: {pplan.reason}")
             self._record_persistent(cmd, scratch, buffers, pplan)
@@ -440,7 +470,8 @@ class Exl3MoeMlp:
         re-run split on the same inputs. Sets last_run; returns the output."""
         start = time.perf_counter()
         scratch = self._scratch_for(m, top_k)
-        decision = decide(self.device, scratch.plan, requested, self.E, self.H, self.I, self.gated)
+        decision = decide(self.device, scratch.plan, requested, self.E, self.H, self.I, self.gated,
+                          lambda: self.co_resident(scratch.plan))
         mode, fallback = decision.mode, None
         if mode == "persistent":
             result = self.run_persistent(hidden, ids, weights, m, top_k, decision.plan)

@@ -19,7 +19,8 @@ class GemmPlan:
 
 
 def default_target_workgroups(device):
-    """How many workgroups a GEMM dispatch aims for: VKMOE_GEMM_WG_PER_CU (default 4) per compute unit."""
+    """How many workgroups a GEMM dispatch aims for: VKMOE_GEMM_WG_PER_CU (default 3, what the H200 keeps resident
+    per SM for these pipelines: 10 % faster than 4 at m = 1..4, BENCHMARKS.md) per compute unit."""
     return knobs.get("VKMOE_GEMM_WG_PER_CU") * (device.compute_units or 16)
 
 

@@ -12,8 +12,8 @@ from .. import knobs, layout
 from ..layout import PERSISTENT_ROUTE_MAX_EXPERTS
 from . import residency
 
-# The persistent kernel: 256 invocations, < 16 KiB of shared memory (had_buf 2 KiB, gemm_red 8 KiB, routing
-# counters 3 KiB). The probe's 16 KiB variant bounds its occupancy from below, so its grid is safe for it.
+# The stand-in probe's variant whose verdict (spin barrier, message passing) the persistent kernel relies on: 256
+# invocations, 16 KiB of shared memory (the kernel uses < 16 KiB: had_buf 2 KiB, gemm_red 8 KiB, routing 3 KiB).
 PERSISTENT_VARIANT = (256, 16384)
 DENY = ("moltenvk", "apple", "mali")  # default-deny: no forward progress guarantee observed/known
 
@@ -33,29 +33,35 @@ class PersistentPlan:
         return asdict(self)
 
 
-def _co_resident(device):
-    """(workgroups, source, trusted) for the persistent kernel's variant."""
+def _co_resident(device, measured):
+    """(workgroups, source, trusted) for the persistent kernel. `measured`: what the persistent pipeline itself
+    measured in its discovery mode (vkmoe.sched.occupancy), or None when it was not measured."""
     forced = knobs.get("VKMOE_PERSISTENT_GRID")
     if forced:
         return forced, "VKMOE_PERSISTENT_GRID (forced; not checked against residency)", True
     entry = residency.lookup(device, PERSISTENT_VARIANT)
+    if entry is not None and not entry.get("persistent"):
+        # The stand-in probe saw barrier timeouts or message-passing violations on this device.
+        return 0, f"probe cache: {entry.get('reason')}", False
     per_cu = _workgroups_per_cu()
-    if entry is not None:
-        if not entry.get("persistent"):
-            return 0, f"probe cache: {entry.get('reason')}", False
-        grid = int(entry["grid"])
-        if per_cu > 1 and device.compute_units:
-            # More than one workgroup per compute unit only as far as the probe measured co-residency.
-            grid = min(int(entry["co_resident"]["min"]), per_cu * device.compute_units)
-        return grid, f"probe cache ({entry.get('probed_at', '?')}): {entry.get('reason')}", True
+    if measured is not None:
+        count = int(measured.get("min", 0))
+        if count < 1:
+            return 0, "the persistent pipeline's discovery measured no co-resident workgroup", False
+        grid, source = count, (f"{count} co-resident workgroups of this pipeline (its own discovery, min of "
+                               f"{len(measured.get('samples', []))} of {measured.get('launched')} launched)")
+        if per_cu and device.compute_units and per_cu * device.compute_units < grid:
+            grid = per_cu * device.compute_units
+            source += f", capped at {per_cu} per compute unit (VKMOE_PERSISTENT_WG_PER_CU)"
+        return grid, source, True
     if device.compute_units:
         return int(device.compute_units), f"{device.compute_units_source}: one workgroup per compute unit", True
     return 0, "no co-resident count for this device (run `vkmoe probe`)", False
 
 
 def _workgroups_per_cu():
-    """VKMOE_PERSISTENT_WG_PER_CU: workgroups per compute unit when a probe measured that many co-resident
-    (default 1: the design's one workgroup per compute unit)."""
+    """VKMOE_PERSISTENT_WG_PER_CU: an optional cap on the persistent grid in workgroups per compute unit (default
+    none: as many as the pipeline measured co-resident)."""
     return knobs.get("VKMOE_PERSISTENT_WG_PER_CU")
 
 
@@ -69,8 +75,10 @@ def work_loop_iterations(moe_plan, E, H, I, gated):
     return 2000 + stage1 + gate_up + down
 
 
-def persistent_plan(device, moe_plan, E, H, I, gated):
-    workgroups, source, trusted = _co_resident(device)
+def persistent_plan(device, moe_plan, E, H, I, gated, measured=None):
+    """The launch plan of the persistent kernel; `measured` is the pipeline's own co-resident count
+    (Exl3MoeMlp.co_resident), which the grid never exceeds."""
+    workgroups, source, trusted = _co_resident(device, measured)
     name = f"{device.name} {device.driver_name}".lower()
     cap = device.quirks.get("loop_iteration_cap")
     spin_limit = 200_000 if device.device_type == "cpu" else 1 << 16
@@ -125,18 +133,22 @@ class Decision:
     reason: str
 
 
-def decide(device, moe_plan, requested, E, H, I, gated):
-    """The Decision for a batch planned as `moe_plan` when `requested` ("auto", "persistent" or "split")."""
+def decide(device, moe_plan, requested, E, H, I, gated, co_resident=lambda: None):
+    """The Decision for a batch planned as `moe_plan` when `requested` ("auto", "persistent" or "split").
+    `co_resident()` gives the persistent pipeline's own measured co-residency (ops measures it once per pipeline);
+    it is called only when the persistent kernel is still a candidate, so a split decision measures nothing."""
     if requested == "split":  # no persistent knob is read: a bad VKMOE_PERSISTENT_* must not break split
         return Decision("split", None, "split requested")
-    plan = persistent_plan(device, moe_plan, E, H, I, gated)
+    if requested == "auto":
+        limit, source = auto_switch_point(device)
+        if moe_plan.m > limit:
+            return Decision("split", None,
+                            f"auto: split for m={moe_plan.m} (persistent only up to m={limit}: {source})")
+    plan = persistent_plan(device, moe_plan, E, H, I, gated, co_resident())
     if requested == "persistent":
         if plan.allowed:
             return Decision("persistent", plan, "persistent requested: " + plan.reason)
         return Decision("split", plan, "persistent requested but not possible: " + plan.reason)
     if not plan.trusted:
         return Decision("split", plan, "auto: " + plan.reason)
-    limit, source = auto_switch_point(device)
-    if moe_plan.m > limit:
-        return Decision("split", plan, f"auto: split for m={moe_plan.m} (persistent only up to m={limit}: {source})")
     return Decision("persistent", plan, "auto: " + plan.reason)

@@ -43,8 +43,8 @@ class _LitmusPush(PushConstants):
     fields = [("rounds", "<u4"), ("spin_iters", "<u4"), ("budget", "<u4"), ("pairs", "<u4")]
 
 
-# Word offsets of probe_residency.comp's per-repeat slot.
-_W_PARTICIPANTS, _W_LATE, _W_TIMEOUTS, _W_ARRIVED, _W_ABORT, _W_OPENER_SPENT, _W_OPENER_HIT, _W_JOINER_SPENT = 3, 4, 5, 6, 7, 8, 9, 11
+# Word offsets of one measurement's 16 words (OCC_* in shaders/include/occupancy.glsl).
+_W_ABORT, _W_PARTICIPANTS, _W_LATE, _W_TIMEOUTS, _W_ARRIVED, _W_OPENER_SPENT, _W_OPENER_HIT, _W_JOINER_SPENT = 0, 4, 5, 6, 7, 8, 9, 11
 
 
 class _Progress:
@@ -183,13 +183,18 @@ def _measure_co_resident(device, pipe, budget, repeats, launched, timeout):
         w = buf.array(np.uint32).reshape(repeats, SLOT_WORDS).copy()
     finally:
         buf.close()
+    return dict(summarize_discovery(w, launched), wall_s=round(wall, 3))
+
+
+def summarize_discovery(words, launched):
+    """The co-resident count from the (repeats, 16) words of occupancy.glsl measurements of one grid."""
     runs = []
-    for slot in range(repeats):
+    for row in words:
         runs.append({
-            "participants": int(w[slot, _W_PARTICIPANTS]), "late": int(w[slot, _W_LATE]),
-            "timeouts": int(w[slot, _W_TIMEOUTS]), "arrived": int(w[slot, _W_ARRIVED]),
-            "abort": int(w[slot, _W_ABORT]), "opener_iters": int(w[slot, _W_OPENER_SPENT]),
-            "all_joined": bool(w[slot, _W_OPENER_HIT]), "joiner_iters": int(w[slot, _W_JOINER_SPENT]),
+            "participants": int(row[_W_PARTICIPANTS]), "late": int(row[_W_LATE]),
+            "timeouts": int(row[_W_TIMEOUTS]), "arrived": int(row[_W_ARRIVED]),
+            "abort": int(row[_W_ABORT]), "opener_iters": int(row[_W_OPENER_SPENT]),
+            "all_joined": bool(row[_W_OPENER_HIT]), "joiner_iters": int(row[_W_JOINER_SPENT]),
         })
     # A repeat with a timed-out joiner (or an abort) may have let a second workgroup join in the same slot, so
     # it could overcount: only clean repeats count.
@@ -203,7 +208,6 @@ def _measure_co_resident(device, pipe, budget, repeats, launched, timeout):
         "saturated": bool(clean) and max(clean) >= launched,  # every launched workgroup joined: a lower bound
         "discarded": len(runs) - len(clean),
         "runs": runs,
-        "wall_s": round(wall, 3),
     }
 
 

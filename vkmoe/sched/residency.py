@@ -178,3 +178,29 @@ def lookup_crossover(device):
     if len(good) != len(shapes):
         warn(f"ignoring malformed crossover entries of {device.name}: {sorted(set(shapes) - set(good))}")
     return copy.deepcopy(good)
+
+
+PIPELINES_KEY = "pipelines"
+
+
+def store_pipeline(device, pipeline_key, measurement):
+    """Record the co-resident count a pipeline measured of itself (vkmoe.sched.occupancy)."""
+    key = device_key(device)
+    with _lock:
+        data = _load(fresh=True)
+        entry = data.setdefault(key, {}).setdefault(PIPELINES_KEY, {"format": FORMAT, "entries": {}})
+        entry["entries"][pipeline_key] = dict(measurement, measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"))
+        _save(data, key)
+    return cache_path()
+
+
+def lookup_pipeline(device, pipeline_key):
+    """The measurement `store_pipeline` recorded for this device and pipeline, or None."""
+    with _lock:
+        entry = _load().get(device_key(device), {}).get(PIPELINES_KEY)
+    if not isinstance(entry, dict) or entry.get("format") != FORMAT:
+        return None
+    found = entry.get("entries", {}).get(pipeline_key)
+    if not isinstance(found, dict) or not _is_count(found.get("min")):
+        return None
+    return copy.deepcopy(found)
