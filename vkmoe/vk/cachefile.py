@@ -20,9 +20,12 @@ def cache_dir():
     """VKMOE_CACHE_DIR, else the platform's user cache directory from platformdirs ($XDG_CACHE_HOME/vkmoe or
     ~/.cache/vkmoe on Linux, ~/Library/Caches/vkmoe on macOS, %LOCALAPPDATA%\\vkmoe\\Cache on Windows); created
     only when a file is stored."""
-    import platformdirs
+    own = knobs.get("VKMOE_CACHE_DIR")
+    if own:
+        return own
+    import platformdirs  # only when needed: a host given VKMOE_CACHE_DIR does not need the package
 
-    return knobs.get("VKMOE_CACHE_DIR") or platformdirs.user_cache_dir("vkmoe", appauthor=False)
+    return platformdirs.user_cache_dir("vkmoe", appauthor=False)
 
 
 def cache_path(filename):
