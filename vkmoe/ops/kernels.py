@@ -1,5 +1,7 @@
 """Pipelines of the EXL3 shaders, cached per device, with the variant that suits the device chosen here
 (the integer-dot-product build where the device has shaderIntegerDotProduct)."""
+import functools
+import hashlib
 import os
 import threading
 import weakref
@@ -8,7 +10,7 @@ from .. import knobs
 from ..exl3.decode import MUL1_C0, MUL1_C1
 from ..layout import SPEC_F16_FMA_FUSED
 from ..vk import Pipeline, PushConstants, VkmoeError
-from ..vk.pipeline import SPV_DIR
+from ..vk.pipeline import SPV_DIR, load_spirv
 from ..vk.quirks import measure_f16_fma_rounds_once
 
 _lock = threading.Lock()
@@ -78,3 +80,10 @@ def pipeline(device, shader, push, spec=None, decode=False, binding_count=None):
             pipe = cache[key] = Pipeline(device, name, push=push, spec=spec, binding_count=binding_count,
                                          allow_unused_spec=binding_count is not None)
         return pipe
+
+
+@functools.lru_cache(maxsize=None)
+def binary_digest(name):
+    """A short hash of the SPIR-V of pipeline `name`: measurements of a pipeline (its co-residency) are cached
+    under it, so a rebuilt shader is measured again."""
+    return hashlib.sha256(load_spirv(name)).hexdigest()[:12]

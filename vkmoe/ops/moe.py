@@ -345,7 +345,8 @@ class Exl3MoeMlp:
         from ..sched import occupancy
 
         pipe = self._persistent_pipeline(plan)
-        key = f"{pipe.name}:" + ",".join(f"{k}={int(v)}" for k, v in sorted(pipe.spec.items()))
+        key = (f"{pipe.name}@{kernels.binary_digest(pipe.name)}:"
+               + ",".join(f"{k}={int(v)}" for k, v in sorted(pipe.spec.items())))
         scratch = self._scratch_for(plan.m, plan.top_k)
         hb, ib, wb, ob = self._io_for(plan.m, plan.top_k)
 
