@@ -49,70 +49,6 @@ void gemm_load_lane(int b_src, int K, uint index, out uint words[8]) {
     }
 }
 
-#ifndef GEMM_AHEAD
-#define GEMM_AHEAD 2   // tiles per lane in flight (see gemm_accumulate)
-#endif
-
-// This lane's words of tile (kt, nt) into words/prev when kt < kt1 (prev: the word before them, the tail-biting
-// wrap; the f16 build takes it from the neighbouring lane instead).
-void gemm_fetch(int b_src, int K, uint b_base, uint tiles_n, uint nt, uint first, uint prev_index, uint kt, uint kt1,
-                out uint words[8], out uint prev) {
-    prev = 0u;
-    [[unroll]] for (int i = 0; i < 8; ++i) words[i] = 0u;
-    if (kt < kt1) {
-        uint base = b_base + (kt * tiles_n + nt) * 8u * uint(K);
-        gemm_load_lane(b_src, K, base + first, words);
-#ifndef EXL3_F16
-        prev = gemm_b_word(b_src, base + prev_index);
-#endif
-    }
-}
-
-// Decode this lane's words of k-tile kt and accumulate them against every row of A.
-void gemm_tile(const int a_src, int K, const int cb, uint nr, uint words[8], uint prev, uint kt) {
-#ifdef EXL3_F16
-    // The word before this lane's words is the last word of the previous lane of the same tile (lane 7 for
-    // lane 0: the tail-biting wrap). The 8 lanes of a tile are 8 aligned consecutive subgroup invocations.
-    uint sid = gl_SubgroupInvocationID;
-    prev = subgroupShuffle(words[K - 1], (sid & ~7u) | ((sid + 7u) & 7u));
-    f16vec2 hv[16];
-    decode_lane_h(K, cb, words, prev, hv);
-#else
-    float vals[32];
-    decode_lane(K, cb, words, prev, vals);
-#endif
-    [[unroll]] for (int r = 0; r < GEMM_ROWS; ++r) {
-        if (uint(r) < nr) {
-            uint xa = gemm_row_base[r] + kt * 8u;
-            uvec4 xlo = gemm_a_word4(a_src, xa >> 2), xhi = gemm_a_word4(a_src, (xa >> 2) + 1u);
-            uint xw[8] = uint[8](xlo.x, xlo.y, xlo.z, xlo.w, xhi.x, xhi.y, xhi.z, xhi.w);
-#ifdef EXL3_F16
-            // fp16 products summed in fp16 within the tile (8 pairs per column), then folded into fp32.
-            f16vec2 h0 = f16vec2(0.0), h1 = f16vec2(0.0);
-            [[unroll]] for (int i = 0; i < 16; ++i) {
-                int j = 2 * i, wi = (j >> 3) + 4 * ((j >> 1) & 1);
-                f16vec2 x = unpackFloat2x16(xw[wi]);
-                if ((j & 4) == 0) h0 = fma(x, hv[i], h0);
-                else              h1 = fma(x, hv[i], h1);
-            }
-            gemm_acc[r * 2] += float(h0.x) + float(h0.y);
-            gemm_acc[r * 2 + 1] += float(h1.x) + float(h1.y);
-#else
-            float s0 = 0.0, s1 = 0.0;
-            // Positions j, j+1 hold k-rows (row, row+1) of the tile, packed in A word row/2.
-            [[unroll]] for (int j = 0; j < 32; j += 2) {
-                int wi = (j >> 3) + 4 * ((j >> 1) & 1);
-                vec2 x = unpackHalf2x16(xw[wi]);
-                if ((j & 4) == 0) s0 += x.x * vals[j] + x.y * vals[j + 1];
-                else              s1 += x.x * vals[j] + x.y * vals[j + 1];
-            }
-            gemm_acc[r * 2] += s0;
-            gemm_acc[r * 2 + 1] += s1;
-#endif
-        }
-    }
-}
-
 // Accumulate gemm_acc[r * 2 + c] for rows r < nr, this invocation's two columns c, over its k-tiles.
 // Row r of A starts at gemm_row_base[r] (uint words; a row of k fp16 values is k/2 words, a multiple of 64, so
 // gemm_row_base[r] + 8 kt is 32-byte aligned); b_base in uint words.
@@ -124,28 +60,71 @@ void gemm_accumulate(const int a_src, int b_src, int K, const int cb, uint nr,
     uint tile_words = 8u * uint(K);
     uint first = uint(K) * q;                       // this lane's first word inside the tile
     uint prev_index = (first + tile_words - 1u) % tile_words;
-    // GEMM_AHEAD tiles per lane are in flight: each tile's slot in the ring is refilled with the tile
-    // 4 * GEMM_AHEAD k-tiles further on as soon as it is taken for decoding. At small batch sizes a lane has only
-    // a few tiles, so the kernel is latency-bound: more loads in flight per workgroup is what makes it faster
-    // (measured on the H200, BENCHMARKS.md). Tiles are still accumulated in k order: the bits do not depend on it.
+    // The next tile's words are loaded before this tile is decoded, so two tiles' loads are in flight: decode is
+    // cheap next to a memory round trip, and a k-slice has only a few tiles per invocation at small batch sizes.
     uint kt = kt0 + (slot >> 3);
-    uint ring[GEMM_AHEAD][8], ring_prev[GEMM_AHEAD];
-    [[unroll]] for (int a = 0; a < GEMM_AHEAD; ++a)
-        gemm_fetch(b_src, K, b_base, tiles_n, nt, first, prev_index, kt + 4u * uint(a), kt1, ring[a], ring_prev[a]);
+    uint next[8], next_prev = 0u;
+    if (kt < kt1) {
+        uint base = b_base + (kt * tiles_n + nt) * tile_words;
+        gemm_load_lane(b_src, K, base + first, next);
+#ifndef EXL3_F16
+        next_prev = gemm_b_word(b_src, base + prev_index);
+#endif
+    }
 #ifdef GEMM_AFTER_PREFETCH
-    // The includer's wait for A (the persistent MoE kernel's dependency on the previous stage): the first tiles'
+    // The includer's wait for A (the persistent MoE kernel's dependency on the previous stage): the first tile's
     // weight loads above are already in flight, and weights depend on nothing.
     GEMM_AFTER_PREFETCH();
 #endif
-    for (; kt < kt1; kt += 4u * uint(GEMM_AHEAD)) {
-        [[unroll]] for (int a = 0; a < GEMM_AHEAD; ++a) {
-            uint t = kt + 4u * uint(a);
-            if (t < kt1) {
-                uint words[8] = ring[a];
-                uint prev = ring_prev[a];
-                gemm_fetch(b_src, K, b_base, tiles_n, nt, first, prev_index, t + 4u * uint(GEMM_AHEAD), kt1,
-                           ring[a], ring_prev[a]);
-                gemm_tile(a_src, K, cb, nr, words, prev, t);
+    for (; kt < kt1; kt += 4u) {
+        uint words[8] = next;
+        uint prev = next_prev;
+        if (kt + 4u < kt1) {
+            uint base = b_base + ((kt + 4u) * tiles_n + nt) * tile_words;
+            gemm_load_lane(b_src, K, base + first, next);
+#ifndef EXL3_F16
+            next_prev = gemm_b_word(b_src, base + prev_index);
+#endif
+        }
+#ifdef EXL3_F16
+        // The word before this lane's words is the last word of the previous lane of the same tile (lane 7 for
+        // lane 0: the tail-biting wrap). The 8 lanes of a tile are 8 aligned consecutive subgroup invocations.
+        uint sid = gl_SubgroupInvocationID;
+        prev = subgroupShuffle(words[K - 1], (sid & ~7u) | ((sid + 7u) & 7u));
+        f16vec2 hv[16];
+        decode_lane_h(K, cb, words, prev, hv);
+#else
+        float vals[32];
+        decode_lane(K, cb, words, prev, vals);
+#endif
+        [[unroll]] for (int r = 0; r < GEMM_ROWS; ++r) {
+            if (uint(r) < nr) {
+                uint xa = gemm_row_base[r] + kt * 8u;
+                uvec4 xlo = gemm_a_word4(a_src, xa >> 2), xhi = gemm_a_word4(a_src, (xa >> 2) + 1u);
+                uint xw[8] = uint[8](xlo.x, xlo.y, xlo.z, xlo.w, xhi.x, xhi.y, xhi.z, xhi.w);
+#ifdef EXL3_F16
+                // fp16 products summed in fp16 within the tile (8 pairs per column), then folded into fp32.
+                f16vec2 h0 = f16vec2(0.0), h1 = f16vec2(0.0);
+                [[unroll]] for (int i = 0; i < 16; ++i) {
+                    int j = 2 * i, wi = (j >> 3) + 4 * ((j >> 1) & 1);
+                    f16vec2 x = unpackFloat2x16(xw[wi]);
+                    if ((j & 4) == 0) h0 = fma(x, hv[i], h0);
+                    else              h1 = fma(x, hv[i], h1);
+                }
+                gemm_acc[r * 2] += float(h0.x) + float(h0.y);
+                gemm_acc[r * 2 + 1] += float(h1.x) + float(h1.y);
+#else
+                float s0 = 0.0, s1 = 0.0;
+                // Positions j, j+1 hold k-rows (row, row+1) of the tile, packed in A word row/2.
+                [[unroll]] for (int j = 0; j < 32; j += 2) {
+                    int wi = (j >> 3) + 4 * ((j >> 1) & 1);
+                    vec2 x = unpackHalf2x16(xw[wi]);
+                    if ((j & 4) == 0) s0 += x.x * vals[j] + x.y * vals[j + 1];
+                    else              s1 += x.x * vals[j] + x.y * vals[j + 1];
+                }
+                gemm_acc[r * 2] += s0;
+                gemm_acc[r * 2 + 1] += s1;
+#endif
             }
         }
     }
