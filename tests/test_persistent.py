@@ -219,6 +219,16 @@ def test_plan_uses_vendor_count_and_default_deny(tmp_path, monkeypatch):
     assert not p.allowed and "at most 256" in p.reason
 
 
+def test_plan_refuses_a_batch_whose_partials_do_not_fit(tmp_path, monkeypatch):
+    """The persistent kernel keeps both GEMMs' partials at once; where that passes maxStorageBufferRange the
+    scratch holds only the split path's share and the plan must refuse persistent (else the GEMMs would overlap)."""
+    monkeypatch.setenv("VKMOE_CACHE_DIR", str(tmp_path))
+    p = sched_plan.persistent_plan(_fake_device(), _moe_plan(), 8, 256, 128, True, scratch_fits=False)
+    assert not p.allowed and not p.trusted and "maxStorageBufferRange" in p.reason
+    d = sched_plan.decide(_fake_device(), _moe_plan(), "persistent", 8, 256, 128, True, scratch_fits=False)
+    assert d.mode == "split" and "not possible" in d.reason
+
+
 def test_plan_refuses_work_past_the_loop_cap(tmp_path, monkeypatch):
     monkeypatch.setenv("VKMOE_CACHE_DIR", str(tmp_path))
     small = sched_plan.persistent_plan(_fake_device(cap=65536), _moe_plan(m=1), 8, 256, 128, True)

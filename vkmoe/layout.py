@@ -87,8 +87,10 @@ def scratch_bytes(plan, H, I):
         "states": 2 * (2 * R * H),      # fp16 [2][R][H]: gate and up inputs
         "inter": 2 * (R * I),           # fp16 [R][I]: down input
         # fp32 k-split partials: gate/up [2][splits_gu][R][I], then down [splits_d][R][H] (partial_down in
-        # moe_stages.glsl: the persistent kernel runs a chunk's down GEMM while others are in gate/up)
+        # moe_stages.glsl: the persistent kernel runs a chunk's down GEMM while others are in gate/up); the split
+        # dispatches need only the larger of the two ("partial_split")
         "partial": 4 * (2 * plan.splits_gu * R * I + plan.splits_d * R * H),
+        "partial_split": 4 * max(2 * plan.splits_gu * R * I, plan.splits_d * R * H),
         "rows": 4 * (R * H),            # fp32 [R][H]: one row per (token, slot)
         "sync": 4 * sync_words(plan.m, plan.max_chunks, H, I),
     }

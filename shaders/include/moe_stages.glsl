@@ -345,9 +345,10 @@ void moe_stage3(uint e, uint p0, uint nr, uint band) {
 
 // ------------------------------------------------------------------ stage 4 (+5): down GEMM, weighted output
 uint down_items_per_chunk() { return (pc.H / 128u) * pc.splits_d; }
-// The down partials follow the gate/up partials ([2][splits_gu][R][I]) instead of reusing them: in the persistent
-// kernel a chunk's down GEMM runs while other chunks are still in gate/up.
-uint partial_down() { return 2u * pc.splits_gu * R() * pc.I; }
+// In the persistent kernel (num_workgroups > 0) the down partials follow the gate/up partials ([2][splits_gu][R][I])
+// instead of reusing them: a chunk's down GEMM runs while other chunks are still in gate/up. The split dispatches
+// are separated by pipeline barriers and reuse the space (layout.scratch_bytes sizes both).
+uint partial_down() { return pc.num_workgroups != 0u ? 2u * pc.splits_gu * R() * pc.I : 0u; }
 
 void moe_stage5(uint e, uint p0, uint nr, uint band);
 

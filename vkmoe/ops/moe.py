@@ -104,6 +104,11 @@ class _Scratch:
     def __init__(self, device, plan, H, I):
         self.plan = plan
         size = layout.scratch_bytes(plan, H, I)
+        # The persistent kernel needs room for both GEMMs' partials; where that exceeds the device's buffer range
+        # the batch runs split only (the split dispatches reuse the space).
+        self.persistent_fits = size["partial"] <= device.memory.max_range
+        if not self.persistent_fits:
+            size["partial"] = size["partial_split"]
         self.sync_words = size["sync"] // 4
         # all or nothing: a batch too large for the device allocates nothing
         self.buffers = device.memory.allocate_all([size[k] for k in ("route", "states", "inter", "partial", "rows",
@@ -390,7 +395,7 @@ class Exl3MoeMlp:
             self._record_split(cmd, scratch, buffers)
         elif mode == "persistent":
             pplan = persistent_plan(self.device, scratch.plan, self.E, self.H, self.I, self.gated,
-                                    self.co_resident(scratch.plan))
+                                    self.co_resident(scratch.plan), scratch.persistent_fits)
             if not pplan.allowed:
                 raise ValueError(f"mode='persistent' is not possible here: {pplan.reason}")
             self._record_persistent(cmd, scratch, buffers, pplan)
@@ -472,7 +477,7 @@ class Exl3MoeMlp:
         start = time.perf_counter()
         scratch = self._scratch_for(m, top_k)
         decision = decide(self.device, scratch.plan, requested, self.E, self.H, self.I, self.gated,
-                          lambda: self.co_resident(scratch.plan))
+                          lambda: self.co_resident(scratch.plan), scratch.persistent_fits)
         mode, fallback = decision.mode, None
         if mode == "persistent":
             result = self.run_persistent(hidden, ids, weights, m, top_k, decision.plan)

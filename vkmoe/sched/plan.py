@@ -75,9 +75,10 @@ def work_loop_iterations(moe_plan, E, H, I, gated):
     return 2000 + stage1 + gate_up + down
 
 
-def persistent_plan(device, moe_plan, E, H, I, gated, measured=None):
+def persistent_plan(device, moe_plan, E, H, I, gated, measured=None, scratch_fits=True):
     """The launch plan of the persistent kernel; `measured` is the pipeline's own co-resident count
-    (Exl3MoeMlp.co_resident), which the grid never exceeds."""
+    (Exl3MoeMlp.co_resident), which the grid never exceeds; `scratch_fits`: the batch's scratch has room for the
+    persistent kernel's GEMM partials (both GEMMs' at once)."""
     workgroups, source, trusted = _co_resident(device, measured)
     name = f"{device.name} {device.driver_name}".lower()
     cap = device.quirks.get("loop_iteration_cap")
@@ -88,6 +89,9 @@ def persistent_plan(device, moe_plan, E, H, I, gated, measured=None):
         return PersistentPlan(allowed, ok_auto and allowed, max(workgroups, 0), 1, source, reason,
                               spin_limit, loop_budget)
 
+    if not scratch_fits:
+        return plan(False, False, "this batch's GEMM partials for the persistent kernel (gate/up and down at once) "
+                                  "exceed the device's maxStorageBufferRange: the split path is used")
     if E > PERSISTENT_ROUTE_MAX_EXPERTS:
         return plan(False, False, f"{E} experts: the persistent kernel routes at most {PERSISTENT_ROUTE_MAX_EXPERTS}")
     if workgroups < 1:
@@ -133,7 +137,7 @@ class Decision:
     reason: str
 
 
-def decide(device, moe_plan, requested, E, H, I, gated, co_resident=lambda: None):
+def decide(device, moe_plan, requested, E, H, I, gated, co_resident=lambda: None, scratch_fits=True):
     """The Decision for a batch planned as `moe_plan` when `requested` ("auto", "persistent" or "split").
     `co_resident()` gives the persistent pipeline's own measured co-residency (ops measures it once per pipeline);
     it is called only when the persistent kernel is still a candidate, so a split decision measures nothing."""
@@ -144,7 +148,7 @@ def decide(device, moe_plan, requested, E, H, I, gated, co_resident=lambda: None
         if moe_plan.m > limit:
             return Decision("split", None,
                             f"auto: split for m={moe_plan.m} (persistent only up to m={limit}: {source})")
-    plan = persistent_plan(device, moe_plan, E, H, I, gated, co_resident())
+    plan = persistent_plan(device, moe_plan, E, H, I, gated, co_resident(), scratch_fits)
     if requested == "persistent":
         if plan.allowed:
             return Decision("persistent", plan, "persistent requested: " + plan.reason)
