@@ -123,6 +123,27 @@ def test_device_arrays_between_ops_match_numpy(device, ops, layer):
         assert np.isfinite(got).all() and np.array_equal(got, expect_moe)
 
 
+def test_recorded_copies_follow_the_arrays(device, ops, layer):
+    """The DeviceArray copies of a call are recorded once and reused while the same arrays come back: calls
+    alternating between two input arrays and two output arrays must each get their own data."""
+    moe, lin1, _ = ops
+    call = layer.calls[0]
+    x = call["x"]
+    xs = [x, (x.astype(np.float32) * 0.5).astype(np.float16)]
+    expect = [lin1(v) for v in xs]
+    assert not np.array_equal(expect[0], expect[1])
+    arrays = [DeviceArray.from_numpy(device, v) for v in xs]
+    outs = [DeviceArray.empty(device, (x.shape[0], lin1.n), np.float16) for _ in xs]
+    try:
+        for i in (0, 0, 1, 1, 0, 1):
+            outs[i].buffer.upload(np.full((x.shape[0], lin1.n), np.nan, np.float16))
+            assert lin1(arrays[i], out=outs[i]) is outs[i]
+            assert np.array_equal(outs[i].numpy(), expect[i]), i
+    finally:
+        for a in arrays + outs:
+            a.close()
+
+
 def test_device_array_hidden_matches_golden(device, ops, layer):
     moe = ops[0]
     for call in layer.calls:

@@ -136,6 +136,7 @@ class CallTransfers:
         self.device = device
         self._before = None
         self._after = None
+        self._recorded = {}  # slot -> the copies it holds now: re-recorded only when they change
 
     def submit(self, rec, copies_in=(), copies_out=()):
         """Submit `rec` with the copies (src Buffer, dst Buffer, nbytes) and wait."""
@@ -144,7 +145,12 @@ class CallTransfers:
         rec.submit(wait=True, before=before, after=after)
 
     def _record(self, slot, copies, barrier_first):
+        # The memory blocks themselves are in the key (not their ids): the key keeps them alive, so a block
+        # freed and replaced can never match a stale recording.
+        key = tuple((src.block, src.offset, dst.block, dst.offset, nbytes) for src, dst, nbytes in copies)
         rec = getattr(self, slot)
+        if rec is not None and self._recorded.get(slot) == key:
+            return rec  # a runtime calling with the same arrays: the copies are recorded already
         if rec is None:
             rec = CommandRecorder(self.device)
             setattr(self, slot, rec)
@@ -154,7 +160,9 @@ class CallTransfers:
         for src, dst, nbytes in copies:
             rec.copy(src, dst, nbytes)
         rec.barrier()
-        return rec.end()
+        rec.end()
+        self._recorded[slot] = key
+        return rec
 
     def close(self):
         for slot in ("_before", "_after"):
@@ -162,3 +170,4 @@ class CallTransfers:
             if rec is not None:
                 rec.close()
                 setattr(self, slot, None)
+        self._recorded.clear()

@@ -1,6 +1,5 @@
 """Device: instance, physical-device choice, logical device with the features vkmoe's shaders use, one compute
 queue, and the capability report (`info()`)."""
-import contextlib
 import logging
 import os
 import threading
@@ -162,6 +161,29 @@ def _select(physical_devices, selector):
     return matches[0]
 
 
+
+class _DeviceHold:
+    """Device.use(): counts the blocks running driver calls (stateless per block, so one instance serves all)."""
+    __slots__ = ("_device",)
+
+    def __init__(self, device):
+        self._device = device
+
+    def __enter__(self):
+        d = self._device
+        with d._idle:
+            d.check_open()
+            d._in_use += 1
+        return d
+
+    def __exit__(self, *exc):
+        d = self._device
+        with d._idle:
+            d._in_use -= 1
+            if d._closed and not d._in_use:
+                d._idle.notify_all()  # close() waits for the last block
+        return False
+
 class Device:
     """A logical Vulkan device with one compute queue.
 
@@ -177,6 +199,7 @@ class Device:
         # ends with DeviceClosedError instead of touching destroyed objects.
         self._in_use = 0
         self._idle = threading.Condition()
+        self._hold = _DeviceHold(self)
         self.validation = _validation_requested()
         self.instance = _Instance.get(self.validation)
         if selector is None:
@@ -428,19 +451,11 @@ class Device:
         if self._closed:
             raise DeviceClosedError(f"{self!r} is closed; objects made from it cannot be used (open a new vkmoe.Device)")
 
-    @contextlib.contextmanager
     def use(self):
-        """Hold the device open for the calls into the driver inside the block: close() waits until no block is
-        running, and a block started after close() raises DeviceClosedError."""
-        with self._idle:
-            self.check_open()
-            self._in_use += 1
-        try:
-            yield self
-        finally:
-            with self._idle:
-                self._in_use -= 1
-                self._idle.notify_all()
+        """Hold the device open for the calls into the driver inside a `with` block: close() waits until no block
+        is running, and a block started after close() raises DeviceClosedError. On every driver call's path, so
+        a small reusable context manager (no generator) that wakes close() only when it waits."""
+        return self._hold
 
     def wait_idle(self):
         with self.use(), self._lock:
