@@ -46,7 +46,8 @@ def test_readme_table_lists_exactly_the_knobs():
     ("VKMOE_GEMM_WG_PER_CU", "0"), ("VKMOE_GEMM_WG_PER_CU", "four"), ("VKMOE_PERSISTENT_GRID", "abc"),
     ("VKMOE_PERSISTENT_GRID", "-3"), ("VKMOE_PERSISTENT_MAX_M", "-1"), ("VKMOE_PERSISTENT_MAX_M", "1.5"),
     ("VKMOE_MOE_ROWS", "3"), ("VKMOE_MOE_ROWS", "x"), ("VKMOE_DECODE", "fp8"), ("VKMOE_DISPATCH", "fast"),
-    ("VKMOE_VALIDATION", "maybe"), ("VKMOE_PERSISTENT_WG_PER_CU", "0"),
+    ("VKMOE_VALIDATION", "maybe"), ("VKMOE_PERSISTENT_WG_PER_CU", "0"), ("VKMOE_MOE_SPLITS", "4"),
+    ("VKMOE_MOE_SPLITS", "4,0"), ("VKMOE_MOE_SPLITS", "a,b"), ("VKMOE_MOE_SPLITS", "1,2,3"),
 ])
 def test_bad_value_names_the_variable(monkeypatch, name, text):
     monkeypatch.setenv(name, text)
@@ -58,10 +59,24 @@ def test_bad_value_names_the_variable(monkeypatch, name, text):
     ("VKMOE_TIMEOUT", "2.5", 2.5), ("VKMOE_TIMEOUT", "", 60.0), ("VKMOE_GEMM_WG_PER_CU", " 8 ", 8),
     ("VKMOE_MOE_ROWS", "16", 16), ("VKMOE_MOE_ROWS", "", None), ("VKMOE_DISPATCH", "Split", "split"),
     ("VKMOE_VALIDATION", "no", False), ("VKMOE_VALIDATION", "1", True), ("VKMOE_PERSISTENT_MAX_M", "0", 0),
+    ("VKMOE_MOE_SPLITS", "4, 3", (4, 3)), ("VKMOE_MOE_SPLITS", "", None),
 ])
 def test_good_values(monkeypatch, name, text, value):
     monkeypatch.setenv(name, text)
     assert knobs.get(name) == value
+
+
+def test_moe_splits_knob_sets_the_plan(monkeypatch):
+    """VKMOE_MOE_SPLITS forces the k-splits (within the plan's bounds: at least 4 k-tiles per split)."""
+    from vkmoe.ops.plan import moe_plan
+
+    dev = SimpleNamespace(compute_units=132, quirks={"loop_iteration_cap": None})
+    monkeypatch.setenv("VKMOE_MOE_SPLITS", "4,3")
+    p = moe_plan(dev, 1, 8, 128, 2048, 768, True)
+    assert (p.splits_gu, p.kt_gu, p.splits_d, p.kt_d) == (4, 32, 3, 16)
+    monkeypatch.setenv("VKMOE_MOE_SPLITS", "100,100")  # capped: 128 and 48 k-tiles, >= 4 per split
+    p = moe_plan(dev, 1, 8, 128, 2048, 768, True)
+    assert (p.splits_gu, p.splits_d) == (32, 12)
 
 
 def test_read_at_call_time_not_at_import():

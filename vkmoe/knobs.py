@@ -63,6 +63,15 @@ def _text(text):
     return text
 
 
+def _split_pair(text):
+    """"GU,D": the k-splits of the gate/up and of the down GEMM."""
+    parts = text.split(",")
+    values = tuple(int(p) for p in parts)
+    if len(values) != 2 or min(values) < 1:
+        raise ValueError(text)
+    return values
+
+
 KNOBS = {k.name: k for k in (
     Knob("VKMOE_DEVICE", None, "a device index or a substring of its name", _text),
     Knob("VKMOE_VALIDATION", False, "1/0 (or true/false, yes/no, on/off)", _flag),
@@ -73,6 +82,7 @@ KNOBS = {k.name: k for k in (
     Knob("VKMOE_DECODE", "auto", "auto, f16 or fp32", _choice("auto", "f16", "fp32")),
     Knob("VKMOE_GEMM_WG_PER_CU", 3, "a positive integer", _int_at_least(1)),
     Knob("VKMOE_MOE_ROWS", None, "1, 4, 8 or 16", _choice(1, 4, 8, 16, convert=int)),
+    Knob("VKMOE_MOE_SPLITS", None, "two positive integers GU,D", _split_pair),
     Knob("VKMOE_PERSISTENT_GRID", None, "a positive integer", _int_at_least(1)),
     Knob("VKMOE_PERSISTENT_WG_PER_CU", None, "a positive integer", _int_at_least(1)),
     Knob("VKMOE_PERSISTENT_MAX_M", None, "an integer >= 0", _int_at_least(0)),

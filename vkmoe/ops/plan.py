@@ -58,10 +58,11 @@ class MoePlan:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
-def _splits(device, tiles_k, work, target):
+def _splits(device, tiles_k, work, target, forced=None):
     """(k-splits, k-tiles per split) so that `work` independent items x splits reach about `target`
-    workgroups, with at least 4 k-tiles per split, capped where the driver has a loop cap."""
-    splits = max(1, min(max(1, tiles_k // 4), ceil_div(target, max(1, work))))
+    workgroups (or `forced` splits), with at least 4 k-tiles per split, capped where the driver has a loop cap."""
+    wanted = forced if forced else ceil_div(target, max(1, work))
+    splits = max(1, min(max(1, tiles_k // 4), wanted))
     kt = ceil_div(tiles_k, splits)
     if device.quirks.get("loop_iteration_cap"):
         kt = min(kt, 4 * CAPPED_K_ITERATIONS)
@@ -76,6 +77,8 @@ def moe_plan(device, m, top_k, E, H, I, gated, target_workgroups=None):
     expected_chunks = max(active, ceil_div(R, rows))
     if target_workgroups is None:
         target_workgroups = default_target_workgroups(device)
-    splits_gu, kt_gu = _splits(device, H // TILE, expected_chunks * (I // BAND) * (2 if gated else 1), target_workgroups)
-    splits_d, kt_d = _splits(device, I // TILE, expected_chunks * (H // BAND), target_workgroups)
+    forced = knobs.get("VKMOE_MOE_SPLITS") or (None, None)  # a tuning knob, like VKMOE_MOE_ROWS
+    splits_gu, kt_gu = _splits(device, H // TILE, expected_chunks * (I // BAND) * (2 if gated else 1), target_workgroups,
+                               forced[0])
+    splits_d, kt_d = _splits(device, I // TILE, expected_chunks * (H // BAND), target_workgroups, forced[1])
     return MoePlan(m, top_k, rows, max_chunks, splits_gu, kt_gu, splits_d, kt_d)
