@@ -389,3 +389,27 @@ def test_deepseek_missing_keys_take_hf_defaults():
     assert (c.n_group, c.topk_group, c.routed_scaling_factor, c.n_shared_experts, c.first_k_dense_replace,
             c.norm_topk_prob) == (8, 4, 2.5, 1, 3, True)
     assert not c.is_moe_layer(2) and c.is_moe_layer(3)
+
+
+@needs_vulkan_ops
+def test_exl3_moe_mlp_loads_a_sharded_model_directory(device, deepseek_dir):
+    """Exl3MoeMlp.from_safetensors takes the model directory itself (here 2 shards + index): the same experts as
+    the checkpoint reader gives, and a forward within tolerance of the float64 reference on them."""
+    from vkmoe import Exl3MoeMlp
+    from vkmoe.exl3 import load_moe_experts, reference
+
+    prefix = "model.layers.0.mlp"
+    assert os.path.exists(os.path.join(deepseek_dir, "model.safetensors.index.json"))
+    experts = load_moe_experts(Checkpoint(deepseek_dir), prefix)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((3, DEEPSEEK["hidden"])).astype(np.float16)
+    ids = np.array([[0, 5], [7, 2], [3, 4]], np.int32)
+    w = np.array([[0.6, 0.4], [0.3, 0.7], [0.5, 0.5]], np.float32)
+    with Exl3MoeMlp.from_safetensors(device, deepseek_dir, prefix, num_experts=DEEPSEEK["experts"]) as moe:
+        assert moe.E == DEEPSEEK["experts"]
+        y = moe(x, ids, w)
+    ref = reference.moe_forward(x, ids, w, experts["gate"], experts["up"], experts["down"], activation="silu")
+    assert np.isfinite(y).all()
+    assert np.sqrt(np.mean((y - ref) ** 2) / np.mean(ref ** 2)) < 3e-3
+    with pytest.raises(CheckpointError, match="not found|no keys"):
+        Exl3MoeMlp.from_safetensors(device, deepseek_dir, "model.layers.9.mlp")

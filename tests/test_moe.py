@@ -63,8 +63,10 @@ def _moe_for(device, cache, name, activation, mode):
 def _check_mode(moe, mode):
     run = moe.last_run
     assert run is not None
-    if run["mode"] != mode:  # only a persistent request may end up split, and then it must say why
-        assert mode in ("persistent", "auto") and run["mode"] == "split" and run.get("fallback_reason"), run
+    if run["mode"] != mode:  # only a persistent request may end up split, and then it must say why; auto says
+        # what it decided in `reason` (a fallback_reason only after an aborted launch)
+        assert mode in ("persistent", "auto") and run["mode"] == "split", run
+        assert run.get("fallback_reason") if mode == "persistent" else run["reason"].startswith("auto"), run
 
 
 def _run(moe, x, ids, w, mode=SPLIT):

@@ -156,7 +156,8 @@ def test_dispatch_environment_toggles_the_path(layers, monkeypatch):
     assert moe.last_run["mode"] == "persistent" and moe.last_run["requested"] == "auto"
     monkeypatch.setenv("VKMOE_PERSISTENT_MAX_M", "0")
     moe(*args)
-    assert moe.last_run["mode"] == "split" and "persistent only up to m=0" in moe.last_run["fallback_reason"]
+    assert moe.last_run["mode"] == "split" and "persistent only up to m=0" in moe.last_run["reason"]
+    assert moe.last_run["fallback_reason"] is None  # an ordinary auto decision, not a fallback
     # the argument wins over the environment
     monkeypatch.setenv("VKMOE_DISPATCH", "split")
     moe(*args, dispatch="persistent")

@@ -404,11 +404,16 @@ def test_unreadable_checkpoints_raise_checkpoint_error(tmp_path):
     from vkmoe.models import MoeConfig
 
     garbage = _write(tmp_path / "garbage.safetensors", "garbage" * 4)
-    for path in (garbage, tmp_path / "missing.safetensors", tmp_path):
+    for path in (garbage, tmp_path / "missing.safetensors"):
         with pytest.raises(CheckpointError, match="cannot read it as a safetensors file"):
             load_moe_experts(str(path), "model.layers.0.mlp")
         with pytest.raises(CheckpointError):
             load_exl3_tensor(str(path), "x")
+    # a directory is read as a model directory: its garbage file is named
+    with pytest.raises(CheckpointError, match="garbage.safetensors: not a safetensors file"):
+        load_moe_experts(str(tmp_path), "model.layers.0.mlp")
+    with pytest.raises(CheckpointError):
+        load_exl3_tensor(str(tmp_path), "x")
     (tmp_path / "bad-utf8").mkdir()
     (tmp_path / "bad-utf8" / "config.json").write_bytes(b"{\"hidden_size\": \"\xff\xfe\"}")
     (tmp_path / "dir-config").mkdir()

@@ -6,22 +6,12 @@ import re
 
 import numpy as np
 
+from .errors import CheckpointError, MissingTensorError
 from .tensor import Exl3Tensor
 
 __all__ = ["load_exl3_tensor", "load_moe_experts", "save_exl3_tensor", "MUL1_FLAG", "MCG_FLAG", "CheckpointError",
            "MissingTensorError"]
 
-
-class CheckpointError(ValueError):
-    """A checkpoint whose config or tensors are inconsistent or unreadable; the message names the file/key at
-    fault. (Defined here, the lowest layer that reads checkpoints; vkmoe.models re-exports it.)"""
-
-
-class MissingTensorError(CheckpointError, KeyError):
-    """A tensor the config requires is not in the checkpoint."""
-
-    def __str__(self):  # KeyError would repr() the message
-        return str(self.args[0]) if self.args else ""
 
 # The flag tensors are presence markers only; these are the values exllamav3 writes (never read back).
 MUL1_FLAG = -2082680531  # 0x83DCD12D as int32
@@ -29,10 +19,14 @@ MCG_FLAG = -877912083  # 0xCBAC1FED as int32
 
 
 class _Source:
-    """Uniform key lookup over a dict of arrays or a .safetensors file (read lazily, numpy backend)."""
+    """Uniform key lookup over a dict of arrays, a .safetensors file or a model directory (read lazily)."""
 
     def __init__(self, src):
         self._handle = None
+        if isinstance(src, (str, os.PathLike)) and os.path.isdir(src):
+            from .checkpoint_dir import Checkpoint  # a model directory, sharded or not
+
+            src = Checkpoint(src)
         if isinstance(src, (str, os.PathLike)):
             from safetensors import safe_open
 
@@ -47,11 +41,12 @@ class _Source:
         elif isinstance(src, _Source):
             self.__dict__.update(src.__dict__)
         elif hasattr(src, "keys") and hasattr(src, "__getitem__"):
-            self.name = "<dict>"
+            self.name = getattr(src, "path", "<dict>")
             self._dict = src
             self._keys = set(src.keys())
         else:
-            raise TypeError(f"safetensors_file_or_dict: expected a path or a dict of arrays, got {type(src).__name__}")
+            raise TypeError(f"safetensors_file_or_dict: expected a .safetensors file, a model directory or a dict of "
+                            f"arrays, got {type(src).__name__}")
 
     def keys(self):
         return self._keys

@@ -288,7 +288,8 @@ class Exl3MoeMlp:
     def from_safetensors(cls, device: "Device", path: "str | os.PathLike | dict", prefix: str,
                          activation: str = "silu", act_limit: float = 0.0, dispatch: "str | None" = None,
                          num_experts: "int | None" = None) -> "Exl3MoeMlp":
-        """Load `{prefix}.experts.{e}.{gate,up,down}_proj` (exllamav3 names) from a safetensors file or dict.
+        """Load `{prefix}.experts.{e}.{gate,up,down}_proj` (exllamav3 names) from a .safetensors file, a model
+        directory (one file, several, or shards listed by model.safetensors.index.json) or a dict of arrays.
         `num_experts` (from the model config) makes a file whose last experts are missing an error."""
         from ..exl3 import load_moe_experts
 
@@ -489,7 +490,7 @@ class Exl3MoeMlp:
                 result, mode = self.run_split(hidden, ids, weights, m, top_k), "split"
         else:
             result = self.run_split(hidden, ids, weights, m, top_k)
-            if requested != "split":
+            if requested == "persistent":  # a request not honoured; an ordinary auto decision is only `reason`
                 fallback = decision.reason
         self.last_run = _run_report(mode, requested, decision.reason, fallback, scratch.plan, decision.plan,
                                     result.gpu_ms, (time.perf_counter() - start) * 1e3)
