@@ -153,27 +153,34 @@ def _run_zeroed(device, pipe, buffer_words, record, timeout, timestamps=0):
     return words, stamps, wall
 
 
-def _calibrate(device, pipe):
-    """Nanoseconds per spin-loop iteration of one workgroup (timestamps, difference of two lengths)."""
+def _calibrate(device, pipe, buf):
+    """Nanoseconds per spin-loop iteration of one workgroup (timestamps, difference of two lengths). `buf`: two
+    measurement slots of scratch."""
+    dset = pipe.bind(buf)
     lengths = (200, 1000)
-
-    def warm_up(rec, sets):
-        rec.dispatch(pipe, sets[0], 1, pipe.push(slot=0, launched=2, open_iters=1, wait_iters=1, lock_iters=10,
-                                                 budget=100))
-
-    def timed(rec, sets):
+    with CommandRecorder(device, timestamps=4) as rec:
+        # Warm-up: some drivers (llvmpipe) compile the shader at its first dispatch, which must not be timed.
+        rec.begin()
+        rec.fill(buf, 0)
+        rec.barrier()
+        rec.dispatch(pipe, dset, 1, pipe.push(slot=0, launched=2, open_iters=1, wait_iters=1, lock_iters=10,
+                                              budget=100))
+        rec.end()
+        rec.submit(wait=True, timeout=HOST_TIMEOUT_S)
+        rec.begin()
+        rec.fill(buf, 0)
+        rec.barrier()
         for slot, n in enumerate(lengths):
             rec.timestamp()
             # launched=2 with one workgroup: the opener never sees everyone, so it spins the full window.
-            rec.dispatch(pipe, sets[0], 1, pipe.push(slot=slot, launched=2, open_iters=n, wait_iters=n,
-                                                     lock_iters=1000, budget=60000))
+            rec.dispatch(pipe, dset, 1, pipe.push(slot=slot, launched=2, open_iters=n, wait_iters=n,
+                                                  lock_iters=1000, budget=60000))
             rec.barrier()
         rec.timestamp()
-
-    # Warm-up: some drivers (llvmpipe) compile the shader at its first dispatch, which must not be timed.
-    _run_zeroed(device, pipe, [SLOT_WORDS * len(lengths)], warm_up, HOST_TIMEOUT_S)
-    _, stamps, _ = _run_zeroed(device, pipe, [SLOT_WORDS * len(lengths)], timed, HOST_TIMEOUT_S,
-                               timestamps=len(lengths) + 1)
+        rec.end()
+        rec.submit(wait=True, timeout=HOST_TIMEOUT_S)
+        stamps = rec.timestamps_ms()
+    dset.free()
     times = [stamps[1] - stamps[0], stamps[2] - stamps[1]]
     ns = (times[1] - times[0]) * 1e6 / (lengths[1] - lengths[0])
     if ns <= 0:  # timer too coarse: use the longer run alone
@@ -384,7 +391,11 @@ def probe_residency(device=None, variants=None, progress=False, repeats=5, round
         launched = min(MAX_LAUNCH, max(64, 4 * (cu or 16)), int(dev.limits.maxComputeWorkGroupCount[0]))
         pipes = [_residency_pipeline(dev, wg, smem) for wg, smem in variants]
         try:
-            ns = _calibrate(dev, pipes[0])
+            cal_buf = dev.memory.allocate(4 * SLOT_WORDS * 2, host_visible=True)
+            try:
+                ns = _calibrate(dev, pipes[0], cal_buf)
+            finally:
+                cal_buf.close()
             budget = _Budget(cap, ns, dev.device_type == "cpu")
             bar.step("calibrated spin")
             out_variants = _check_variants(dev, variants, pipes, budget, repeats, launched, rounds, cu, timeout,
