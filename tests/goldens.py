@@ -92,3 +92,13 @@ def reference_targets(layer: SimpleNamespace, call: dict):
     if layer.activation == "gelu" and call["ref_out_gelu_tanh"] is not None:
         return [("gelu", call["ref_out_gelu_tanh"]), ("gelu_erf", call["ref_out"])]
     return [(layer.activation, call["ref_out"])]
+
+
+def moe_call_args(layer: SimpleNamespace, **changes) -> dict:
+    """Keyword arguments of a moe_forward (reference or CPU tier) for the layer's first call, silu, with
+    `changes` applied: what the argument-error tests start from."""
+    c = layer.calls[0]
+    args = dict(hidden=c["x"], expert_ids=c["selected"], expert_weights=c["weights"], gate=layer.gate, up=layer.up,
+                down=layer.down, activation="silu")
+    args.update(changes)
+    return args

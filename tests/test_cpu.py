@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from goldens import golden_files, load_layer, reference_targets, rel_rms
+from goldens import golden_files, load_layer, moe_call_args, reference_targets, rel_rms
 from vkmoe import cpu
 from vkmoe.exl3 import Exl3Tensor, dequantize
 from vkmoe.exl3 import reference as R
@@ -98,13 +98,8 @@ def test_empty_routing():
     (dict(threads=0), ValueError, "threads"),
 ])
 def test_argument_errors(bad, exc, match):
-    L = LAYERS[0]
-    c = L.calls[0]
-    args = dict(hidden=c["x"], expert_ids=c["selected"], expert_weights=c["weights"], gate=L.gate, up=L.up,
-                down=L.down, activation="silu")
-    args.update(bad)
     with pytest.raises(exc, match=match):
-        cpu.moe_forward(**args)
+        cpu.moe_forward(**moe_call_args(LAYERS[0], **bad))
 
 
 def test_linear_and_dequantize_errors():

@@ -262,15 +262,20 @@ def test_missing_shared_expert_names_key(tmp_path):
         SparseMoeBlock.from_checkpoint(d, 0, backend="cpu")
 
 
-def test_config_fewer_experts_than_files(qwen_dir, tmp_path):
-    d = _copy(qwen_dir, tmp_path, lambda c: c.update(num_experts=6))
-    with pytest.raises(CheckpointError, match=r"experts\.6.*num_experts=6"):
-        SparseMoeBlock.from_checkpoint(d, 0, backend="cpu")
-
-
-def test_config_more_experts_than_files(qwen_dir, tmp_path):
-    d = _copy(qwen_dir, tmp_path, lambda c: c.update(num_experts=10))
-    with pytest.raises(MissingTensorError, match=r"model\.layers\.0\.mlp\.experts\.8\.gate_proj.*num_experts=10"):
+# A config.json edit that no checkpoint file matches: the error names what disagrees.
+@pytest.mark.parametrize("source, edit, exc, match", [
+    ("qwen_dir", dict(num_experts=6), CheckpointError, r"experts\.6.*num_experts=6"),
+    ("qwen_dir", dict(num_experts=10), MissingTensorError,
+     r"model\.layers\.0\.mlp\.experts\.8\.gate_proj.*num_experts=10"),
+    ("qwen_dir", dict(hidden_size=200), CheckpointError, "hidden_size=200"),
+    ("qwen_dir", dict(moe_intermediate_size=256), CheckpointError, r"experts\.0\.gate_proj.*256x128.*256x256"),
+    ("deepseek_dir", dict(first_k_dense_replace=1), CheckpointError, "dense"),
+    ("qwen_dir", dict(model_type="llama", architectures=["LlamaForCausalLM"]), CheckpointError, "LlamaForCausalLM"),
+], ids=["fewer_experts_than_files", "more_experts_than_files", "hidden_not_multiple_of_128",
+        "intermediate_mismatch_names_key", "dense_layer_rejected", "unsupported_architecture"])
+def test_config_edit_rejected(source, edit, exc, match, request, tmp_path):
+    d = _copy(request.getfixturevalue(source), tmp_path, lambda c: c.update(edit))
+    with pytest.raises(exc, match=match):
         SparseMoeBlock.from_checkpoint(d, 0, backend="cpu")
 
 
@@ -286,33 +291,9 @@ def test_router_shape_mismatch_names_key(tmp_path):
         SparseMoeBlock.from_checkpoint(d, 0, backend="cpu")
 
 
-def test_config_hidden_not_multiple_of_128(qwen_dir, tmp_path):
-    d = _copy(qwen_dir, tmp_path, lambda c: c.update(hidden_size=200))
-    with pytest.raises(CheckpointError, match="hidden_size=200"):
-        SparseMoeBlock.from_checkpoint(d, 0, backend="cpu")
-
-
-def test_config_intermediate_mismatch_names_key(qwen_dir, tmp_path):
-    d = _copy(qwen_dir, tmp_path, lambda c: c.update(moe_intermediate_size=256))
-    with pytest.raises(CheckpointError, match=r"experts\.0\.gate_proj.*256x128.*256x256"):
-        SparseMoeBlock.from_checkpoint(d, 0, backend="cpu")
-
-
 def test_layer_out_of_range(qwen_dir):
     with pytest.raises(CheckpointError, match="layer_index=5"):
         SparseMoeBlock.from_checkpoint(qwen_dir, 5, backend="cpu")
-
-
-def test_dense_layer_rejected(deepseek_dir, tmp_path):
-    d = _copy(deepseek_dir, tmp_path, lambda c: c.update(first_k_dense_replace=1))
-    with pytest.raises(CheckpointError, match="dense"):
-        SparseMoeBlock.from_checkpoint(d, 0, backend="cpu")
-
-
-def test_unsupported_architecture(qwen_dir, tmp_path):
-    d = _copy(qwen_dir, tmp_path, lambda c: c.update(model_type="llama", architectures=["LlamaForCausalLM"]))
-    with pytest.raises(CheckpointError, match="LlamaForCausalLM"):
-        SparseMoeBlock.from_checkpoint(d, 0, backend="cpu")
 
 
 def test_index_points_to_missing_shard(deepseek_dir, tmp_path):

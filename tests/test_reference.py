@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from goldens import golden_files, load_layer, reference_targets, rel_rms
+from goldens import golden_files, load_layer, moe_call_args, reference_targets, rel_rms
 from vkmoe.exl3 import Exl3Tensor
 from vkmoe.exl3 import reference as R
 
@@ -126,10 +126,5 @@ def test_act_limit_clamps():
     (dict(act_limit=-1.0), ValueError, "act_limit"),
 ])
 def test_reference_argument_errors(bad, exc, match):
-    L = LAYERS[0]
-    c = L.calls[0]
-    args = dict(hidden=c["x"], expert_ids=c["selected"], expert_weights=c["weights"], gate=L.gate, up=L.up,
-                down=L.down, activation="silu")
-    args.update(bad)
     with pytest.raises(exc, match=match):
-        R.moe_forward(**args)
+        R.moe_forward(**moe_call_args(LAYERS[0], **bad))

@@ -51,6 +51,34 @@ def test_unrouted_tokens_get_zero_rows_past_the_loop_cap(device, tiny_layer):
 
 
 # ------------------------------------------------------------------------------------ 2: a closed device
+# Defined in every script: `work(outcome, started)` runs forwards in a thread (counting them in outcome["n"],
+# setting `started` once one is done) until dev.close(), `delay` seconds after the first, makes it raise.
+_RACE_CLOSE = textwrap.dedent("""
+    import time
+    def race_close(dev, work, delay=None):
+        outcome = {"n": 0}
+        started = threading.Event()
+        def worker():
+            try:
+                work(outcome, started)
+            except vkmoe.VkmoeError as exc:
+                outcome["error"] = exc
+            except BaseException as exc:
+                outcome["other"] = exc
+            started.set()
+        t = threading.Thread(target=worker)
+        t.start()
+        started.wait(120)
+        if delay is not None:
+            time.sleep(delay)
+        dev.close()
+        t.join(120)
+        assert "other" not in outcome, outcome
+        assert "is closed" in str(outcome["error"]), outcome
+        print("OK", outcome["n"], "forwards before close")
+""")
+
+
 def _run_script(body, env=None, timeout=240):
     """Run `body` in a fresh interpreter (a crash must not take the test run with it); returns the result."""
     script = textwrap.dedent("""
@@ -60,7 +88,7 @@ def _run_script(body, env=None, timeout=240):
         import vkmoe
         from goldens import load_layer
         L = load_layer({tiny!r})
-    """).format(tests=os.path.join(REPO, "tests"), tiny=TINY) + textwrap.dedent(body)
+    """).format(tests=os.path.join(REPO, "tests"), tiny=TINY) + _RACE_CLOSE + textwrap.dedent(body)
     full_env = dict(os.environ, **(env or {}))
     return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout,
                           env=full_env, cwd=REPO)
@@ -105,60 +133,27 @@ CLOSED_CASES = {
         moe = vkmoe.Exl3MoeMlp(dev, L.gate, L.up, L.down, dispatch="split")
         c = L.calls[0]
         ref = moe(c["x"], c["selected"], c["weights"])
-        outcome = {}
-        started = threading.Event()
-        def worker():
-            n = 0
-            try:
-                while True:
-                    y = moe(c["x"], c["selected"], c["weights"])
-                    assert np.array_equal(y, ref)
-                    n += 1
-                    started.set()
-            except vkmoe.VkmoeError as exc:
-                outcome["error"], outcome["n"] = exc, n
-            except BaseException as exc:
-                outcome["other"] = exc
-            started.set()
-        t = threading.Thread(target=worker)
-        t.start()
-        started.wait(120)
-        dev.close()
-        t.join(120)
-        assert "other" not in outcome, outcome
-        assert "is closed" in str(outcome["error"]), outcome
-        print("OK", outcome["n"], "forwards before close")
+        def work(outcome, started):
+            while True:
+                y = moe(c["x"], c["selected"], c["weights"])
+                assert np.array_equal(y, ref)
+                outcome["n"] += 1
+                started.set()
+        race_close(dev, work)
     """,
     "close while another thread builds, records and runs layers": """
-      import time
       for delay in (0.0, 0.001, 0.003, 0.01, 0.03, 0.1):  # close() lands in different phases of the work
         dev = vkmoe.Device()
         c = L.calls[0]
-        outcome = {"n": 0}
-        started = threading.Event()
-        def worker():
-            try:
-                while True:  # a new layer each time: allocation, upload, recording and submission all race close()
-                    moe = vkmoe.Exl3MoeMlp(dev, L.gate, L.up, L.down, dispatch="split")
-                    for m in (1, 2, 3):
-                        moe(c["x"][:m], c["selected"][:m], c["weights"][:m])
-                        outcome["n"] += 1
-                        started.set()
-                    moe.close()
-            except vkmoe.VkmoeError as exc:
-                outcome["error"] = exc
-            except BaseException as exc:
-                outcome["other"] = exc
-            started.set()
-        t = threading.Thread(target=worker)
-        t.start()
-        started.wait(120)
-        time.sleep(delay)
-        dev.close()
-        t.join(120)
-        assert "other" not in outcome, outcome
-        assert "is closed" in str(outcome["error"]), outcome
-        print("OK", outcome["n"], "forwards before close")
+        def work(outcome, started):
+            while True:  # a new layer each time: allocation, upload, recording and submission all race close()
+                moe = vkmoe.Exl3MoeMlp(dev, L.gate, L.up, L.down, dispatch="split")
+                for m in (1, 2, 3):
+                    moe(c["x"][:m], c["selected"][:m], c["weights"][:m])
+                    outcome["n"] += 1
+                    started.set()
+                moe.close()
+        race_close(dev, work, delay)
     """,
 }
 

@@ -40,11 +40,10 @@
 #define SYNC_REL (gl_SemanticsRelease | gl_SemanticsMakeAvailable)
 #define SYNC_ACQREL (gl_SemanticsAcquireRelease | gl_SemanticsMakeAvailable | gl_SemanticsMakeVisible)
 
-// Abort reasons (first one set wins).
+// Abort reasons (first one set wins): vkmoe/layout.py ABORT_* (tests/test_layout.py keeps them equal).
 #define SYNC_ABORT_SPIN 1u     // a spin ran out of its iteration bound
 #define SYNC_ABORT_LOCK 2u     // a ticket lock could not be taken in time
 #define SYNC_ABORT_BARRIER 3u  // a group barrier timed out
-#define SYNC_ABORT_CHECK 4u    // a self-check failed (wrong data seen)
 
 shared bool sync_sh_ok;
 
@@ -132,7 +131,7 @@ bool sync_group_barrier(uint base, uint n, uint max_iters, uint budget, inout ui
     return ok;
 }
 
-// Whole-workgroup versions. The control barriers carry QueueFamily-scope release/acquire so that buffer writes by
+// The whole-workgroup barrier. Its control barriers carry QueueFamily-scope release/acquire so that buffer writes by
 // any invocation before the call are visible to every invocation of every workgroup after it.
 #define SYNC_WG_BARRIER() controlBarrier(gl_ScopeWorkgroup, gl_ScopeQueueFamily, \
     gl_StorageSemanticsBuffer | gl_StorageSemanticsShared, SYNC_ACQREL)
@@ -140,21 +139,6 @@ bool sync_group_barrier(uint base, uint n, uint max_iters, uint budget, inout ui
 bool sync_group_barrier_wg(uint base, uint n, uint max_iters, uint budget, inout uint spent) {
     SYNC_WG_BARRIER();
     if (gl_LocalInvocationIndex == 0u) sync_sh_ok = sync_group_barrier(base, n, max_iters, budget, spent);
-    SYNC_WG_BARRIER();
-    return sync_sh_ok;
-}
-
-bool sync_spin_until_ge_wg(uint i, uint target, uint max_iters, uint budget, inout uint spent) {
-    SYNC_WG_BARRIER();
-    if (gl_LocalInvocationIndex == 0u) sync_sh_ok = spin_until_ge(i, target, max_iters, budget, spent);
-    SYNC_WG_BARRIER();
-    return sync_sh_ok;
-}
-
-// The abort flag as seen by the whole workgroup (for checks at ticket draws and stage boundaries).
-bool sync_aborted_wg() {
-    SYNC_WG_BARRIER();
-    if (gl_LocalInvocationIndex == 0u) sync_sh_ok = sync_aborted();
     SYNC_WG_BARRIER();
     return sync_sh_ok;
 }

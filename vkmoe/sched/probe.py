@@ -28,6 +28,11 @@ SLOT_WORDS = 16
 HOST_TIMEOUT_S = 20.0
 LITMUS_WORKGROUP_SIZE = 64
 UNCAPPED_BUDGET = 0xFFFFFFFF
+# Specialization-constant ids of shaders/probes/probe_{residency,barrier,litmus}.comp: all three take their
+# workgroup size from local_size_x_id = 0; probe_residency's SHARED_WORDS (its pad array) is constant_id 1.
+SPEC_PROBE_WORKGROUP_SIZE, SPEC_PROBE_SHARED_WORDS = 0, 1
+# probe_litmus.comp: a header (W_ABORT .. W_CHECKED), then one line per (pair, round) ([0] flag, noise, data).
+LITMUS_HEADER_WORDS, LITMUS_LINE_WORDS = 16, 16
 
 
 class _ResidencyPush(PushConstants):
@@ -117,13 +122,40 @@ class _Budget:
                 "spin_iters": self.spin_iters}
 
 
-def _run(device, rec, timeout):
-    rec.submit(wait=True, timeout=timeout)
-    return rec.timestamps_ms()
+def _run_zeroed(device, pipe, buffer_words, record, timeout, timestamps=0):
+    """One submission of a probe: zero-filled host-visible buffers of `buffer_words` words each (a probe's word
+    indices are fixed and its counters must start at 0), then `record(rec, descriptor_sets)`, one set per
+    buffer. Waits for it (bounded by `timeout`) and returns (each buffer's words, the timestamps in ms, the
+    wall-clock seconds of the submission)."""
+    bufs, sets = [], []
+    try:
+        for n in buffer_words:
+            bufs.append(device.memory.allocate(4 * n, host_visible=True))
+            sets.append(pipe.bind(bufs[-1]))
+        with CommandRecorder(device, timestamps=timestamps) as rec:
+            rec.begin()
+            for b in bufs:
+                rec.fill(b, 0)
+            rec.barrier()
+            record(rec, sets)
+            rec.host_barrier()
+            rec.end()
+            t0 = time.monotonic()
+            rec.submit(wait=True, timeout=timeout)
+            wall = time.monotonic() - t0
+            stamps = rec.timestamps_ms()
+        words = [b.array(np.uint32).copy() for b in bufs]
+    finally:
+        for d in sets:
+            d.free()
+        for b in bufs:
+            b.close()
+    return words, stamps, wall
 
 
 def _calibrate(device, pipe, buf):
-    """Nanoseconds per spin-loop iteration of one workgroup (timestamps, difference of two lengths)."""
+    """Nanoseconds per spin-loop iteration of one workgroup (timestamps, difference of two lengths). `buf`: two
+    measurement slots of scratch."""
     dset = pipe.bind(buf)
     lengths = (200, 1000)
     with CommandRecorder(device, timestamps=4) as rec:
@@ -134,19 +166,20 @@ def _calibrate(device, pipe, buf):
         rec.dispatch(pipe, dset, 1, pipe.push(slot=0, launched=2, open_iters=1, wait_iters=1, lock_iters=10,
                                               budget=100))
         rec.end()
-        _run(device, rec, HOST_TIMEOUT_S)
+        rec.submit(wait=True, timeout=HOST_TIMEOUT_S)
         rec.begin()
         rec.fill(buf, 0)
         rec.barrier()
         for slot, n in enumerate(lengths):
-            t = rec.timestamp()
+            rec.timestamp()
             # launched=2 with one workgroup: the opener never sees everyone, so it spins the full window.
             rec.dispatch(pipe, dset, 1, pipe.push(slot=slot, launched=2, open_iters=n, wait_iters=n,
                                                   lock_iters=1000, budget=60000))
             rec.barrier()
         rec.timestamp()
         rec.end()
-        stamps = _run(device, rec, HOST_TIMEOUT_S)
+        rec.submit(wait=True, timeout=HOST_TIMEOUT_S)
+        stamps = rec.timestamps_ms()
     dset.free()
     times = [stamps[1] - stamps[0], stamps[2] - stamps[1]]
     ns = (times[1] - times[0]) * 1e6 / (lengths[1] - lengths[0])
@@ -157,33 +190,21 @@ def _calibrate(device, pipe, buf):
 
 def _residency_pipeline(device, wg, shared_bytes):
     words = max(16, (shared_bytes - SYNC_SHARED_BYTES) // 4)
-    return Pipeline(device, "probe_residency", push=_ResidencyPush, spec={0: wg, 1: words})
+    return Pipeline(device, "probe_residency", push=_ResidencyPush,
+                    spec={SPEC_PROBE_WORKGROUP_SIZE: wg, SPEC_PROBE_SHARED_WORDS: words})
 
 
 def _measure_co_resident(device, pipe, budget, repeats, launched, timeout):
-    buf = device.memory.allocate(4 * SLOT_WORDS * repeats, host_visible=True)
-    try:
-        dset = pipe.bind(buf)
-        with CommandRecorder(device) as rec:
-            rec.begin()
-            rec.fill(buf, 0)
+    def record(rec, sets):
+        for slot in range(repeats):
+            rec.dispatch(pipe, sets[0], launched, pipe.push(slot=slot, launched=launched,
+                                                            open_iters=budget.open_iters,
+                                                            wait_iters=budget.wait_iters,
+                                                            lock_iters=budget.lock_iters, budget=budget.budget))
             rec.barrier()
-            for slot in range(repeats):
-                rec.dispatch(pipe, dset, launched, pipe.push(slot=slot, launched=launched,
-                                                             open_iters=budget.open_iters,
-                                                             wait_iters=budget.wait_iters,
-                                                             lock_iters=budget.lock_iters, budget=budget.budget))
-                rec.barrier()
-            rec.host_barrier()
-            rec.end()
-            t0 = time.monotonic()
-            rec.submit(wait=True, timeout=timeout)
-            wall = time.monotonic() - t0
-        dset.free()
-        w = buf.array(np.uint32).reshape(repeats, SLOT_WORDS).copy()
-    finally:
-        buf.close()
-    return dict(summarize_discovery(w, launched), wall_s=round(wall, 3))
+
+    (w,), _, wall = _run_zeroed(device, pipe, [SLOT_WORDS * repeats], record, timeout)
+    return dict(summarize_discovery(w.reshape(repeats, SLOT_WORDS), launched), wall_s=round(wall, 3))
 
 
 def summarize_discovery(words, launched):
@@ -212,43 +233,34 @@ def summarize_discovery(words, launched):
 
 
 def _barrier_check(device, grid, rounds, budget, timeout, reps=3):
-    pipe = Pipeline(device, "probe_barrier", push=_BarrierPush, spec={0: DEFAULT_WORKGROUP_SIZE})
+    pipe = Pipeline(device, "probe_barrier", push=_BarrierPush,
+                    spec={SPEC_PROBE_WORKGROUP_SIZE: DEFAULT_WORKGROUP_SIZE})
     # One small buffer per dispatch: the shader's word indices are fixed and barrier words must start at 0.
     # Slots 2*rep (0 rounds) and 2*rep + 1 (R rounds), then one for the empty dispatches.
     nslots = 2 * reps + 1
     empty_dispatches = 50
-    slots = []
-    try:
-        slots = [device.memory.allocate(4 * SLOT_WORDS, host_visible=True) for _ in range(nslots)]
-        sets = [pipe.bind(s) for s in slots]
-        with CommandRecorder(device, timestamps=3 * reps + 2) as rec:
-            rec.begin()
-            for s in slots:
-                rec.fill(s, 0)
-            rec.barrier()
-            # (0 rounds, R rounds) pairs: the difference is the cost of R barriers at this grid.
-            for rep in range(reps):
-                for k, r in enumerate((0, rounds)):
-                    rec.timestamp()
-                    rec.dispatch(pipe, sets[2 * rep + k], grid,
-                                 pipe.push(rounds=r, spin_iters=budget.spin_iters, budget=budget.budget))
-                    rec.barrier()
+
+    def record(rec, sets):
+        # (0 rounds, R rounds) pairs: the difference is the cost of R barriers at this grid.
+        for rep in range(reps):
+            for k, r in enumerate((0, rounds)):
                 rec.timestamp()
-            rec.timestamp()
-            for _ in range(empty_dispatches):
-                rec.dispatch(pipe, sets[-1], grid, pipe.push(rounds=0, spin_iters=1, budget=budget.budget))
+                rec.dispatch(pipe, sets[2 * rep + k], grid,
+                             pipe.push(rounds=r, spin_iters=budget.spin_iters, budget=budget.budget))
                 rec.barrier()
             rec.timestamp()
-            rec.host_barrier()
-            rec.end()
-            stamps = _run(device, rec, timeout)
-        for d in sets:
-            d.free()
-        w = np.stack([s.array(np.uint32).copy() for s in slots])
+        rec.timestamp()
+        for _ in range(empty_dispatches):
+            rec.dispatch(pipe, sets[-1], grid, pipe.push(rounds=0, spin_iters=1, budget=budget.budget))
+            rec.barrier()
+        rec.timestamp()
+
+    try:
+        words, stamps, _ = _run_zeroed(device, pipe, [SLOT_WORDS] * nslots, record, timeout,
+                                       timestamps=3 * reps + 2)
     finally:
-        for s in slots:
-            s.close()
         pipe.close()
+    w = np.stack(words)
     per_barrier = []
     for rep in range(reps):
         t0, t1, t2 = stamps[3 * rep:3 * rep + 3]
@@ -271,23 +283,16 @@ def _litmus(device, grid, budget, timeout, rounds=256):
     pairs = grid // 2
     if pairs == 0:
         return {"grid": grid, "pairs": 0, "violations": None, "skipped": "needs 2 co-resident workgroups"}
-    pipe = Pipeline(device, "probe_litmus", push=_LitmusPush, spec={0: LITMUS_WORKGROUP_SIZE})
-    buf = device.memory.allocate(4 * (16 + pairs * rounds * 16), host_visible=True)
+    pipe = Pipeline(device, "probe_litmus", push=_LitmusPush,
+                    spec={SPEC_PROBE_WORKGROUP_SIZE: LITMUS_WORKGROUP_SIZE})
+    def record(rec, sets):
+        rec.dispatch(pipe, sets[0], grid, pipe.push(rounds=rounds, spin_iters=budget.spin_iters,
+                                                    budget=budget.budget, pairs=pairs))
+
     try:
-        dset = pipe.bind(buf)
-        with CommandRecorder(device) as rec:
-            rec.begin()
-            rec.fill(buf, 0)
-            rec.barrier()
-            rec.dispatch(pipe, dset, grid, pipe.push(rounds=rounds, spin_iters=budget.spin_iters,
-                                                     budget=budget.budget, pairs=pairs))
-            rec.host_barrier()
-            rec.end()
-            _run(device, rec, timeout)
-        dset.free()
-        w = buf.array(np.uint32).copy()
+        (w,), _, _ = _run_zeroed(device, pipe, [LITMUS_HEADER_WORDS + pairs * rounds * LITMUS_LINE_WORDS], record,
+                                 timeout)
     finally:
-        buf.close()
         pipe.close()
     checked = int(w[3])
     return {"grid": grid, "pairs": pairs, "rounds": rounds, "violations": int(w[1]), "timeouts": int(w[2]),

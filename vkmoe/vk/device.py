@@ -219,6 +219,15 @@ class Device:
 
     # ----------------------------------------------------------------------------------------- capabilities
     def _query_capabilities(self):
+        """What the device reports and whether vkmoe can run on it (raises VkmoeError when it cannot)."""
+        subgroup, vendor_counts = self._query_properties()
+        self._count_compute_units(*vendor_counts)
+        self._query_features()
+        self._check_subgroup_ops(subgroup)
+
+    def _query_properties(self):
+        """Properties, the driver and the subgroup sizes. Returns the subgroup properties and the vendor structs
+        that count compute units (NV, AMD, ARM; None where the extension is missing)."""
         pd = self.physical
         self.extensions = {e.extensionName for e in vk.vkEnumerateDeviceExtensionProperties(pd, None)}
         # The binding returns a struct whose owner may be collected: copy it into memory we own.
@@ -272,8 +281,10 @@ class Device:
         self.driver_version = props.driverVersion
         self.vendor_id, self.device_id = props.vendorID, props.deviceID
         self.dot_product_accelerated = bool(dot and dot.integerDotProduct4x8BitPackedUnsignedAccelerated)
+        return subgroup, (nv, amd, arm)
 
-        # How many workgroups can be resident at once, as the vendor reports it (a hint; the probe measures).
+    def _count_compute_units(self, nv, amd, arm):
+        """How many workgroups can be resident at once, as the vendor reports it (a hint; the probe measures)."""
         if nv is not None:
             self.compute_units, self.compute_units_source = int(nv.shaderSMCount), "VK_NV_shader_sm_builtins"
         elif amd is not None:
@@ -290,7 +301,9 @@ class Device:
         else:
             self.compute_units, self.compute_units_source = None, None
 
-        # Features: query what exists, enable what vkmoe uses.
+    def _query_features(self):
+        """Features: query what exists, record what vkmoe uses; the Vulkan memory model is required."""
+        pd = self.physical
         f13 = _new_struct("VkPhysicalDeviceVulkan13Features", vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_3_FEATURES) \
             if self.api_version >= vk.VK_MAKE_VERSION(1, 3, 0) else None
         f12 = _new_struct("VkPhysicalDeviceVulkan12Features", vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES, f13)
@@ -314,7 +327,10 @@ class Device:
             "shaderIntegerDotProduct": bool(f13 and f13.shaderIntegerDotProduct),
             "cooperativeMatrix": "VK_KHR_cooperative_matrix" in self.extensions,
         }
-        # Subgroup operations every vkmoe kernel uses (Vulkan 1.1 reports them for the compute stage).
+
+    def _check_subgroup_ops(self, subgroup):
+        """Subgroup operations every vkmoe kernel uses (Vulkan 1.1 reports them for the compute stage): what is
+        missing goes to missing_subgroup_ops."""
         self.subgroup_compute = bool(subgroup.supportedStages & vk.VK_SHADER_STAGE_COMPUTE_BIT)
         needed = {"ballot": vk.VK_SUBGROUP_FEATURE_BALLOT_BIT, "arithmetic": vk.VK_SUBGROUP_FEATURE_ARITHMETIC_BIT,
                   "shuffle": vk.VK_SUBGROUP_FEATURE_SHUFFLE_BIT}
