@@ -146,6 +146,34 @@ _DEFAULTS = {
 ARCHITECTURES = {cls: s.name for s in SPECS.values() for cls in s.hf_classes}
 
 
+def _resolve_architecture(cfg: dict, source: str):
+    """(arch, its ArchSpec, its defaults, the config with a text_config merged in) for a config.json dict;
+    architectures the block does not cover are refused by name."""
+    arch = cfg.get("model_type")
+    if arch not in SPECS:
+        archs = [ARCHITECTURES[a] for a in cfg.get("architectures") or () if a in ARCHITECTURES]
+        if not archs:
+            raise CheckpointError(
+                f"{source}: unsupported architecture (model_type={cfg.get('model_type')!r}, "
+                f"architectures={cfg.get('architectures')!r}); supported: "
+                + ", ".join(f"{k} ({v})" for k, v in ARCHITECTURES.items()))
+        arch = archs[0]
+    spec, defaults = SPECS[arch], _DEFAULTS[arch]
+    if spec.text_config:
+        text = cfg.get("text_config")
+        if not isinstance(text, dict):
+            raise CheckpointError(f"{source}: missing 'text_config' (required by {arch}: it holds the sizes)")
+        if not text.get("enable_moe_block", False):
+            raise CheckpointError(f"{source}: text_config.enable_moe_block is not true: this {arch} model has "
+                                  "no MoE blocks")
+        cfg = {**cfg, **text}
+
+    if arch == "nemotron_h" and cfg.get("moe_latent_size"):
+        raise CheckpointError(f"{source}: moe_latent_size={cfg['moe_latent_size']}: NemotronH's latent MoE "
+                              "(experts behind fc1/fc2_latent_proj) is not supported")
+    return arch, spec, defaults, cfg
+
+
 @dataclass
 class MoeConfig:
     arch: str
@@ -212,28 +240,7 @@ class MoeConfig:
 
     @classmethod
     def _from_dict(cls, cfg: dict, source: str) -> "MoeConfig":
-        arch = cfg.get("model_type")
-        if arch not in SPECS:
-            archs = [ARCHITECTURES[a] for a in cfg.get("architectures") or () if a in ARCHITECTURES]
-            if not archs:
-                raise CheckpointError(
-                    f"{source}: unsupported architecture (model_type={cfg.get('model_type')!r}, "
-                    f"architectures={cfg.get('architectures')!r}); supported: "
-                    + ", ".join(f"{k} ({v})" for k, v in ARCHITECTURES.items()))
-            arch = archs[0]
-        spec, defaults = SPECS[arch], _DEFAULTS[arch]
-        if spec.text_config:
-            text = cfg.get("text_config")
-            if not isinstance(text, dict):
-                raise CheckpointError(f"{source}: missing 'text_config' (required by {arch}: it holds the sizes)")
-            if not text.get("enable_moe_block", False):
-                raise CheckpointError(f"{source}: text_config.enable_moe_block is not true: this {arch} model has "
-                                      "no MoE blocks")
-            cfg = {**cfg, **text}
-
-        if arch == "nemotron_h" and cfg.get("moe_latent_size"):
-            raise CheckpointError(f"{source}: moe_latent_size={cfg['moe_latent_size']}: NemotronH's latent MoE "
-                                  "(experts behind fc1/fc2_latent_proj) is not supported")
+        arch, spec, defaults, cfg = _resolve_architecture(cfg, source)
 
         def need(name):
             if cfg.get(name) is None:
