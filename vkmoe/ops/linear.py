@@ -10,7 +10,7 @@ import numpy as np
 
 from .. import knobs, layout
 from ..exl3 import Exl3Tensor
-from ..vk import CommandRecorder
+from ..vk import CommandRecorder, DeviceClosedError
 from . import kernels
 from .device_array import CallTransfers, DeviceArray, resolve_out
 from .host_arrays import describe, host_array, out_dtype_of
@@ -42,9 +42,13 @@ def _check_x(x, k, device):
 
 
 def _close_call(xb, yb, rec, sets):
-    rec.close()
-    for d in sets:  # the recorder does not free the descriptor sets its commands use
-        d.free()
+    try:
+        with rec.device.use():  # a concurrent Device.close() waits for this instead of racing it
+            rec.close()
+            for d in sets:  # the recorder does not free the descriptor sets its commands use
+                d.free()
+    except DeviceClosedError:
+        pass  # the device destroyed them with everything made from it
     xb.close()
     yb.close()
 
@@ -183,10 +187,8 @@ class Exl3Linear:
             rec.timestamp()
             rec.host_barrier()
             rec.end()
-        except BaseException:
-            rec.close()
-            xb.close()
-            yb.close()
+        except BaseException:  # a recording that failed (e.g. on a closed device) leaves nothing behind
+            _close_call(xb, yb, rec, ())
             raise
         self._io[m] = (xb, yb, rec, sets)
         return self._io[m]

@@ -19,7 +19,7 @@ from ..layout import ROUTE_MAX_EXPERTS as MAX_EXPERTS
 from ..sched import occupancy
 from ..sched.plan import decide, persistent_plan
 from ..exl3.reference import check_op_routing
-from ..vk import CommandRecorder, PushConstants, TimeoutError
+from ..vk import CommandRecorder, DeviceClosedError, PushConstants, TimeoutError
 from . import kernels
 from .device_array import CallTransfers, DeviceArray, resolve_out
 from .host_arrays import describe, host_array, out_dtype_of
@@ -139,9 +139,13 @@ class _Recording:
         self.rec, self.sets = rec, sets
 
     def close(self):
-        self.rec.close()
-        for s in self.sets:
-            s.free()
+        try:
+            with self.rec.device.use():  # a concurrent Device.close() waits for this instead of racing it
+                self.rec.close()
+                for s in self.sets:
+                    s.free()
+        except DeviceClosedError:
+            pass  # the device destroyed them with everything made from it
 
 
 class RunResult(NamedTuple):
@@ -579,8 +583,8 @@ class Exl3MoeMlp:
                         rec.copy(scratch.sync, ob, 4, dst_offset=out_bytes)
                     rec.host_barrier()
                     rec.end()
-                except BaseException:
-                    rec.close()  # a recording that failed (e.g. a grid beyond the device's limit) leaves nothing
+                except BaseException:  # a recording that failed (e.g. on a closed device) leaves nothing behind
+                    _Recording(rec, ()).close()
                     raise
                 recording = self._recorded[(m, top_k, key)] = _Recording(rec, sets)
             rec = recording.rec
