@@ -41,7 +41,7 @@ def _check_x(x, k, device):
     return np.ascontiguousarray(x)
 
 
-def _close_call(xb, yb, rec, sets):
+def _close_call(xb, yb, rec, sets=()):
     try:
         with rec.device.use():  # a concurrent Device.close() waits for this instead of racing it
             rec.close()
@@ -53,16 +53,17 @@ def _close_call(xb, yb, rec, sets):
     yb.close()
 
 
-def _release_linear(io, scratch, owned):
+def _release_linear(io, sets, scratch, owned):
     """Free a linear layer's device objects, emptying its containers in place (close() and the finalizer)."""
-    for entry in io.values():
-        _close_call(*entry)
+    for m, entry in io.items():
+        _close_call(*entry, sets.pop(m, ()))
     for bufs in scratch.values():
         for b in bufs:
             b.close()
     for b in owned:
         b.close()
     io.clear()
+    sets.clear()
     scratch.clear()
     owned.clear()
 
@@ -86,16 +87,17 @@ class Exl3Linear:
         self._bias = mem.allocate(tensor.n * 2)
         self._bias.upload(tensor.bias.astype(np.float16) if self.has_bias else np.zeros(tensor.n, np.float16))
         self._scratch = {}  # (m, splits) -> (xh, partial, counters)
-        # m -> (x, y, recorder, descriptor sets) of __call__, least recently used first: at most VKMOE_SHAPE_CACHE
-        # (evicted in place, with their scratch unless record() pinned that m: the finalizer holds these dicts)
+        # m -> (x, y, recorder) of __call__, least recently used first: at most VKMOE_SHAPE_CACHE (evicted in
+        # place, with their descriptor sets and scratch unless record() pinned that m: the finalizer holds these)
         self._io = OrderedDict()
+        self._sets = {}  # m -> the descriptor sets of _io[m]'s recording
         self._pinned = set()
         self._call_lock = threading.RLock()  # one call at a time per layer; no eviction under a running one
         self._transfers = CallTransfers(device)  # DeviceArray copies riding on a call's one submission
         self._owned = [self._trellis, self._suh, self._svh, self._bias]
         self.last_gpu_ms = None
         # A layer dropped without close() still frees its device memory (not at exit: the process does that).
-        weakref.finalize(self, _release_linear, self._io, self._scratch, self._owned).atexit = False
+        weakref.finalize(self, _release_linear, self._io, self._sets, self._scratch, self._owned).atexit = False
 
     # ---------------------------------------------------------------------------------------------- record
     def _scratch_for(self, m):
@@ -152,7 +154,7 @@ class Exl3Linear:
         if m == 0:
             return np.zeros((0, self.n), dtype) if target is None else target
         with self._call_lock:
-            xb, yb, rec, _ = self._call_buffers(m)
+            xb, yb, rec = self._call_buffers(m)
             copies_in = copies_out = ()
             if isinstance(x, DeviceArray):
                 copies_in = [(x.buffer, xb, x.nbytes)]
@@ -165,7 +167,7 @@ class Exl3Linear:
             return yb.download(np.float16, (m, self.n)).astype(dtype, copy=False) if target is None else target
 
     def _call_buffers(self, m):
-        """(x, y, recorder, descriptor sets) of __call__ for m rows: x where the host writes and the device reads it, y where the
+        """(x, y, recorder) of __call__ for m rows: x where the host writes and the device reads it, y where the
         device writes and the host reads it (no staging copies), the forward recorded once."""
         if m in self._io:
             self._io.move_to_end(m)
@@ -173,7 +175,7 @@ class Exl3Linear:
         # A server sees every m: the least recently used beyond VKMOE_SHAPE_CACHE go (called under the lock)
         while len(self._io) >= knobs.get("VKMOE_SHAPE_CACHE"):
             old, entry = self._io.popitem(last=False)
-            _close_call(*entry)
+            _close_call(*entry, self._sets.pop(old, ()))
             for key in [k for k in self._scratch if k[0] == old and old not in self._pinned]:
                 for b in self._scratch.pop(key):
                     b.close()
@@ -188,9 +190,9 @@ class Exl3Linear:
             rec.host_barrier()
             rec.end()
         except BaseException:  # a recording that failed (e.g. on a closed device) leaves nothing behind
-            _close_call(xb, yb, rec, ())
+            _close_call(xb, yb, rec)
             raise
-        self._io[m] = (xb, yb, rec, sets)
+        self._io[m], self._sets[m] = (xb, yb, rec), sets
         return self._io[m]
 
     def dequantize(self) -> np.ndarray:
@@ -214,7 +216,7 @@ class Exl3Linear:
     def close(self):
         with self._call_lock:  # after a call running in another thread, never under it
             self._transfers.close()
-            _release_linear(self._io, self._scratch, self._owned)
+            _release_linear(self._io, self._sets, self._scratch, self._owned)
 
     def __enter__(self):
         return self

@@ -586,7 +586,8 @@ class Exl3MoeMlp:
                 except BaseException:  # a recording that failed (e.g. on a closed device) leaves nothing behind
                     _Recording(rec, ()).close()
                     raise
-                recording = self._recorded[(m, top_k, key)] = _Recording(rec, sets)
+                # record_body returns the descriptor sets it bound (None: none to free with the recording)
+                recording = self._recorded[(m, top_k, key)] = _Recording(rec, sets or ())
             rec = recording.rec
             target = getattr(self._call_options, "out", None)
             copies_in = copies_out = ()
