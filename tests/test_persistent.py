@@ -198,7 +198,8 @@ def test_record_persistent_matches_split(device, layers):
 def _fake_device(name="Fake GPU", compute_units=8, cap=None, device_type="discrete-gpu"):
     return SimpleNamespace(name=name, driver_name="fake", driver_info="", compute_units=compute_units,
                            compute_units_source="test", quirks={"loop_iteration_cap": cap}, device_type=device_type,
-                           identity=f"{name}|fake", features={})
+                           identity=f"{name}|fake", features={},
+                           limits=SimpleNamespace(maxComputeWorkGroupCount=(65535, 65535, 65535)))
 
 
 def _moe_plan(m=4, E=8):

@@ -504,3 +504,165 @@ def test_malformed_model_directories_raise_checkpoint_error(tmp_path):
             ckpt = Checkpoint(folder)
             for key in ckpt.keys():
                 ckpt[key]
+
+
+# --------------------------------------------------------------------------- 5: varying batch sizes
+def _routing(m, H, E, top_k=2, seed=5):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m, H)).astype(np.float16)
+    ids = np.stack([rng.choice(E, top_k, replace=False) for _ in range(m)])
+    w = rng.uniform(0.1, 1.0, (m, top_k)).astype(np.float32)
+    return x, ids, w
+
+
+def _recorders(dev):
+    return sum(isinstance(o, vkmoe.CommandRecorder) for o in dev._children)
+
+
+def test_varying_batch_sizes_keep_the_caches_bounded(dev, tiny_layer, monkeypatch):
+    """50 different m: the layer keeps VKMOE_SHAPE_CACHE shapes (default 8) and exactly the device memory of the
+    last 8 shapes; an evicted shape records again and is still correct; a shape passed to record() stays."""
+    monkeypatch.delenv("VKMOE_SHAPE_CACHE", raising=False)
+    from vkmoe import knobs
+
+    limit = knobs.get("VKMOE_SHAPE_CACHE")
+    assert limit == 8
+    L = tiny_layer
+    x, ids, w = _routing(50, L.hidden_size, L.num_experts)
+    ref = reference.moe_forward(x, ids, w, L.gate, L.up, L.down, activation="silu")  # row-wise: ref[:m] is m's
+
+    def forward(moe, m):
+        y = moe(x[:m], ids[:m], w[:m])
+        assert rel_rms(y, ref[:m]) < TOL, m
+
+    recorders = _recorders(dev)
+    base = _bytes_in_use(dev)
+    with vkmoe.Exl3MoeMlp(dev, L.gate, L.up, L.down, activation="silu", dispatch="split") as moe:
+        for m in range(1, 51):
+            forward(moe, m)
+            assert len(moe._scratch) == len(moe._io) == len(moe._recorded) == min(m, limit)
+            assert _recorders(dev) - recorders == min(m, limit)
+        assert sorted(moe._scratch) == [(m, 2) for m in range(43, 51)]
+        used = _bytes_in_use(dev) - base
+        forward(moe, 1)  # evicted long ago: recorded again, still correct
+        forward(moe, 50)
+    with vkmoe.Exl3MoeMlp(dev, L.gate, L.up, L.down, activation="silu", dispatch="split") as fresh:
+        for m in range(43, 51):
+            forward(fresh, m)
+        assert _bytes_in_use(dev) - base == used  # the same 8 shapes: the same memory, nothing left of the rest
+    assert _bytes_in_use(dev) == base and _recorders(dev) == recorders
+
+    monkeypatch.setenv("VKMOE_SHAPE_CACHE", "2")
+    with vkmoe.Exl3MoeMlp(dev, L.gate, L.up, L.down, activation="silu", dispatch="split") as moe:
+        hb, ib, wb, ob = dev.memory.allocate_all([3 * L.hidden_size * 2, 24, 24, 3 * L.hidden_size * 4])
+        try:
+            with vkmoe.CommandRecorder(dev) as rec:
+                rec.begin()
+                rec.fill(ob, 0x7FC00000)  # NaN poison: a row the forward misses shows up
+                rec.barrier()
+                moe.record(rec, hb, ib, wb, ob, 3, 2)
+                rec.end()
+                pinned = moe._scratch[(3, 2)]
+                for m in (4, 5, 6, 7):
+                    forward(moe, m)
+                assert moe._scratch[(3, 2)] is pinned and len(moe._scratch) == 3  # 2 by calls + the pinned one
+                hb.upload(x[:3])
+                ib.upload(ids[:3].astype(np.int32))
+                wb.upload(w[:3])
+                rec.submit(wait=True)
+            assert rel_rms(ob.download(np.float32, (3, L.hidden_size)), ref[:3]) < TOL
+        finally:
+            for b in (hb, ib, wb, ob):
+                b.close()
+
+
+def test_linear_with_varying_batch_sizes_keeps_its_caches_bounded(dev, tiny_layer, monkeypatch):
+    monkeypatch.setenv("VKMOE_SHAPE_CACHE", "3")
+    t = tiny_layer.up[0]
+    x = np.random.default_rng(7).standard_normal((12, t.k)).astype(np.float16)
+    ref = reference.linear_forward(x, t)
+    recorders, base = _recorders(dev), _bytes_in_use(dev)
+    with vkmoe.Exl3Linear(dev, t) as lin:
+        for m in list(range(1, 13)) + [1]:
+            y = lin(x[:m])
+            assert rel_rms(y.astype(np.float32), ref[:m]) < TOL, m
+            assert len(lin._io) <= 3 and len(lin._scratch) <= 3 and _recorders(dev) - recorders <= 3
+        assert sorted(lin._io) == [1, 11, 12]
+    assert _bytes_in_use(dev) == base and _recorders(dev) == recorders
+
+
+# ----------------------------------------------------------------- 6: persistent launches that cannot run
+def test_grid_beyond_the_dispatch_limit_runs_split():
+    """A forced grid above maxComputeWorkGroupCount[0]: the plan refuses it, the call runs split (correct, with
+    the reason in last_run) and no recorder of the failed attempt is left on the device."""
+    result = _run_script("""
+        from goldens import rel_rms
+        from vkmoe.exl3 import reference
+        dev = vkmoe.Device()
+        limit = dev.limits.maxComputeWorkGroupCount[0]
+        assert limit < 70000, limit
+        c = L.calls[0]
+        ref = reference.moe_forward(c["x"], c["selected"], c["weights"], L.gate, L.up, L.down, activation="silu")
+        with vkmoe.Exl3MoeMlp(dev, L.gate, L.up, L.down, activation="silu") as moe:
+            for _ in range(2):
+                y = moe(c["x"], c["selected"], c["weights"])
+                assert rel_rms(y, ref) < 3e-3
+                run = moe.last_run
+                assert run["requested"] == "persistent" and run["mode"] == "split", run
+                assert "maxComputeWorkGroupCount" in run["fallback_reason"], run
+                recorders = [o for o in dev._children if isinstance(o, vkmoe.CommandRecorder)]
+                assert len(recorders) == len(moe._recorded) == 1, (recorders, moe._recorded)
+        assert not dev.take_validation_messages()
+        print("OK", run["fallback_reason"])
+    """, env={"VKMOE_PERSISTENT_GRID": "70000", "VKMOE_DISPATCH": "persistent"})
+    _assert_closed_error(result)
+
+
+def test_cached_grid_beyond_the_dispatch_limit_is_refused(device, fresh_cache, monkeypatch):
+    from vkmoe.ops.plan import moe_plan
+    from vkmoe.sched.plan import decide, persistent_plan
+
+    monkeypatch.delenv("VKMOE_PERSISTENT_GRID", raising=False)
+    monkeypatch.delenv("VKMOE_PERSISTENT_WG_PER_CU", raising=False)
+    plan = moe_plan(device, 4, 2, 8, 256, 128, True)
+    measured = {"min": 10 ** 9, "median": 10 ** 9, "samples": [10 ** 9], "launched": 10 ** 9}
+    p = persistent_plan(device, plan, 8, 256, 128, True, measured)
+    assert not p.allowed and not p.trusted and "maxComputeWorkGroupCount" in p.reason
+    d = decide(device, plan, "persistent", 8, 256, 128, True, lambda: measured)
+    assert d.mode == "split" and "maxComputeWorkGroupCount" in d.reason
+
+
+def test_first_run_may_include_the_drivers_shader_compile():
+    """lavapipe compiles a pipeline at its first dispatch (seconds with a cold shader cache); that must not count
+    against VKMOE_TIMEOUT, which later calls still get. A first process measures the persistent pipeline's
+    co-residency (cached), a second one with Mesa's shader cache off and a 0.25 s timeout runs both paths."""
+    _assert_closed_error(_run_script("""
+        dev = vkmoe.Device()
+        with vkmoe.Exl3MoeMlp(dev, L.gate, L.up, L.down, activation="silu") as moe:
+            c = L.calls[0]
+            moe.co_resident(moe._scratch_for(*c["selected"].shape).plan)
+        print("OK")
+    """))
+    result = _run_script("""
+        import time
+        from goldens import rel_rms
+        from vkmoe.exl3 import reference
+        dev = vkmoe.Device()
+        c = L.calls[0]
+        ref = reference.moe_forward(c["x"], c["selected"], c["weights"], L.gate, L.up, L.down, activation="silu")
+        with vkmoe.Exl3MoeMlp(dev, L.gate, L.up, L.down, activation="silu") as moe:
+            for mode in ("split", "persistent"):
+                times = []
+                for _ in range(2):
+                    start = time.monotonic()
+                    y = moe(c["x"], c["selected"], c["weights"], dispatch=mode)
+                    times.append(time.monotonic() - start)
+                    assert moe.last_run["mode"] == mode, moe.last_run
+                    assert rel_rms(y, ref) < 3e-3
+                # else this test shows nothing: the first call must have compiled past the timeout
+                assert times[0] > 0.25, (mode, times)
+                print(mode, times)
+        assert not dev.take_validation_messages()
+        print("OK")
+    """, env={"VKMOE_TIMEOUT": "0.25", "MESA_SHADER_CACHE_DISABLE": "true"})
+    _assert_closed_error(result)

@@ -86,6 +86,7 @@ KNOBS = {k.name: k for k in (
     Knob("VKMOE_PERSISTENT_GRID", None, "a positive integer", _int_at_least(1)),
     Knob("VKMOE_PERSISTENT_WG_PER_CU", None, "a positive integer", _int_at_least(1)),
     Knob("VKMOE_PERSISTENT_MAX_M", None, "an integer >= 0", _int_at_least(0)),
+    Knob("VKMOE_SHAPE_CACHE", 8, "a positive integer", _int_at_least(1)),
 )}
 
 

@@ -2,13 +2,15 @@
 
 Two dispatches: the input Hadamard (fp16 rows, suh applied), then the GEMM with the output Hadamard fused
 (one workgroup per 128-column band and k-split; the last split of a band finishes it)."""
+from collections import OrderedDict
+import threading
 import weakref
 
 import numpy as np
 
-from .. import layout
+from .. import knobs, layout
 from ..exl3 import Exl3Tensor
-from ..vk import CommandRecorder
+from ..vk import CommandRecorder, DeviceClosedError
 from . import kernels
 from .device_array import CallTransfers, DeviceArray, resolve_out
 from .host_arrays import describe, host_array, out_dtype_of
@@ -39,13 +41,29 @@ def _check_x(x, k, device):
     return np.ascontiguousarray(x)
 
 
-def _release_linear(io, scratch, owned):
+def _close_call(xb, yb, rec, sets=()):
+    try:
+        with rec.device.use():  # a concurrent Device.close() waits for this instead of racing it
+            rec.close()
+            for d in sets:  # the recorder does not free the descriptor sets its commands use
+                d.free()
+    except DeviceClosedError:
+        pass  # the device destroyed them with everything made from it
+    xb.close()
+    yb.close()
+
+
+def _release_linear(io, sets, scratch, owned):
     """Free a linear layer's device objects, emptying its containers in place (close() and the finalizer)."""
-    for _, _, rec in io.values():
-        rec.close()
+    for m, entry in io.items():
+        _close_call(*entry, sets.pop(m, ()))
+    for bufs in scratch.values():
+        for b in bufs:
+            b.close()
     for b in owned:
         b.close()
     io.clear()
+    sets.clear()
     scratch.clear()
     owned.clear()
 
@@ -68,13 +86,18 @@ class Exl3Linear:
         self.has_bias = tensor.bias is not None
         self._bias = mem.allocate(tensor.n * 2)
         self._bias.upload(tensor.bias.astype(np.float16) if self.has_bias else np.zeros(tensor.n, np.float16))
-        self._scratch = {}  # m -> (xh, partial, counters) for record()
-        self._io = {}       # m -> (x, y, recorder) for __call__
+        self._scratch = {}  # (m, splits) -> (xh, partial, counters)
+        # m -> (x, y, recorder) of __call__, least recently used first: at most VKMOE_SHAPE_CACHE (evicted in
+        # place, with their descriptor sets and scratch unless record() pinned that m: the finalizer holds these)
+        self._io = OrderedDict()
+        self._sets = {}  # m -> the descriptor sets of _io[m]'s recording
+        self._pinned = set()
+        self._call_lock = threading.RLock()  # one call at a time per layer; no eviction under a running one
         self._transfers = CallTransfers(device)  # DeviceArray copies riding on a call's one submission
         self._owned = [self._trellis, self._suh, self._svh, self._bias]
         self.last_gpu_ms = None
         # A layer dropped without close() still frees its device memory (not at exit: the process does that).
-        weakref.finalize(self, _release_linear, self._io, self._scratch, self._owned).atexit = False
+        weakref.finalize(self, _release_linear, self._io, self._sets, self._scratch, self._owned).atexit = False
 
     # ---------------------------------------------------------------------------------------------- record
     def _scratch_for(self, m):
@@ -88,7 +111,6 @@ class Exl3Linear:
             counters = mem.allocate(words * 4)
             counters.upload(np.zeros(words, np.uint32))
             self._scratch[key] = (xh, partial, counters)
-            self._owned += [xh, partial, counters]
         return plan, self._scratch[key]
 
     def record(self, cmd: CommandRecorder, x_buf: "Buffer", y_buf: "Buffer", m: int):
@@ -96,20 +118,28 @@ class Exl3Linear:
         (m, n) fp16. Ends with a barrier, so later commands may read y_buf."""
         if m <= 0:
             return
+        with self._call_lock:
+            self._pinned.add(m)  # the caller's command buffer uses this m's scratch: never evicted
+            self._record(cmd, x_buf, y_buf, m)
+
+    def _record(self, cmd, x_buf, y_buf, m):
+        """record()'s commands; returns the descriptor sets they use."""
         if x_buf.size < m * self.k * 2 or y_buf.size < m * self.n * 2:
             raise ValueError(f"x_buf needs {m * self.k * 2} bytes and y_buf {m * self.n * 2} for m={m}")
         plan, (xh, partial, counters) = self._scratch_for(m)
         dev = self.device
         had = kernels.pipeline(dev, "exl3_had_in", kernels.HadInPush)
-        cmd.dispatch(had, had.bind(x_buf, self._suh, xh), layout.had_in_grid(m, self.k), had.push(m=m, k=self.k))
+        sets = [had.bind(x_buf, self._suh, xh)]
+        cmd.dispatch(had, sets[0], layout.had_in_grid(m, self.k), had.push(m=m, k=self.k))
         cmd.barrier()
         spec = {layout.SPEC_LINEAR_K: self.bits, layout.SPEC_LINEAR_CB: layout.CODEBOOKS[self.codebook],
                 layout.SPEC_LINEAR_ROWS: plan.rows, layout.SPEC_LINEAR_HAS_BIAS: self.has_bias}
         gemm = kernels.pipeline(dev, "exl3_linear", kernels.LinearPush, spec, decode=True)
-        dset = gemm.bind(xh, self._trellis, self._svh, self._bias, y_buf, partial, counters)
-        cmd.dispatch(gemm, dset, layout.linear_grid(plan, self.n),
+        sets.append(gemm.bind(xh, self._trellis, self._svh, self._bias, y_buf, partial, counters))
+        cmd.dispatch(gemm, sets[1], layout.linear_grid(plan, self.n),
                      gemm.push(m=m, k=self.k, n=self.n, splits=plan.splits, kt_per_split=plan.kt_per_split))
         cmd.barrier()
+        return sets
 
     # ---------------------------------------------------------------------------------------------- call
     def __call__(self, x, out=None, out_dtype=np.float16):
@@ -123,33 +153,46 @@ class Exl3Linear:
         target = resolve_out(out, self.device, (m, self.n), np.float16)
         if m == 0:
             return np.zeros((0, self.n), dtype) if target is None else target
-        xb, yb, rec = self._call_buffers(m)
-        copies_in = copies_out = ()
-        if isinstance(x, DeviceArray):
-            copies_in = [(x.buffer, xb, x.nbytes)]
-        else:
-            xb.upload(x)
-        if target is not None:
-            copies_out = [(yb, target.buffer, target.nbytes)]
-        self._transfers.submit(rec, copies_in, copies_out)
-        self.last_gpu_ms = rec.elapsed_ms()
-        return yb.download(np.float16, (m, self.n)).astype(dtype, copy=False) if target is None else target
+        with self._call_lock:
+            xb, yb, rec = self._call_buffers(m)
+            copies_in = copies_out = ()
+            if isinstance(x, DeviceArray):
+                copies_in = [(x.buffer, xb, x.nbytes)]
+            else:
+                xb.upload(x)
+            if target is not None:
+                copies_out = [(yb, target.buffer, target.nbytes)]
+            self._transfers.submit(rec, copies_in, copies_out)
+            self.last_gpu_ms = rec.elapsed_ms()
+            return yb.download(np.float16, (m, self.n)).astype(dtype, copy=False) if target is None else target
 
     def _call_buffers(self, m):
         """(x, y, recorder) of __call__ for m rows: x where the host writes and the device reads it, y where the
         device writes and the host reads it (no staging copies), the forward recorded once."""
-        if m not in self._io:
-            mem = self.device.memory
-            xb, yb = mem.allocate(m * self.k * 2, kind="upload"), mem.allocate(m * self.n * 2, kind="readback")
-            self._owned += [xb, yb]
-            rec = CommandRecorder(self.device, timestamps=2)
+        if m in self._io:
+            self._io.move_to_end(m)
+            return self._io[m]
+        # A server sees every m: the least recently used beyond VKMOE_SHAPE_CACHE go (called under the lock)
+        while len(self._io) >= knobs.get("VKMOE_SHAPE_CACHE"):
+            old, entry = self._io.popitem(last=False)
+            _close_call(*entry, self._sets.pop(old, ()))
+            for key in [k for k in self._scratch if k[0] == old and old not in self._pinned]:
+                for b in self._scratch.pop(key):
+                    b.close()
+        mem = self.device.memory
+        xb, yb = mem.allocate_all([m * self.k * 2, m * self.n * 2], kinds=["upload", "readback"])
+        rec = CommandRecorder(self.device, timestamps=2)
+        try:
             rec.begin()
             rec.timestamp()
-            self.record(rec, xb, yb, m)
+            sets = self._record(rec, xb, yb, m)
             rec.timestamp()
             rec.host_barrier()
             rec.end()
-            self._io[m] = (xb, yb, rec)
+        except BaseException:  # a recording that failed (e.g. on a closed device) leaves nothing behind
+            _close_call(xb, yb, rec)
+            raise
+        self._io[m], self._sets[m] = (xb, yb, rec), sets
         return self._io[m]
 
     def dequantize(self) -> np.ndarray:
@@ -171,8 +214,9 @@ class Exl3Linear:
         return bits.astype(np.uint16).view(np.float16)
 
     def close(self):
-        self._transfers.close()
-        _release_linear(self._io, self._scratch, self._owned)
+        with self._call_lock:  # after a call running in another thread, never under it
+            self._transfers.close()
+            _release_linear(self._io, self._sets, self._scratch, self._owned)
 
     def __enter__(self):
         return self

@@ -4,6 +4,7 @@ Weights are uploaded once, one buffer per projection and kind (all experts back 
 routing prep + the stage bodies of shaders/include/moe_stages.glsl, either as split dispatches with pipeline
 barriers or as one persistent dispatch with spin barriers (vkmoe.sched decides; see docs/DESIGN.md).
 """
+from collections import OrderedDict
 import threading
 import time
 from typing import NamedTuple
@@ -15,9 +16,10 @@ from .. import knobs, layout
 from ..exl3 import Exl3Tensor
 from ..layout import ACTIVATIONS, MAX_TOP_K, MOE_BINDINGS
 from ..layout import ROUTE_MAX_EXPERTS as MAX_EXPERTS
+from ..sched import occupancy
 from ..sched.plan import decide, persistent_plan
 from ..exl3.reference import check_op_routing
-from ..vk import CommandRecorder, PushConstants
+from ..vk import CommandRecorder, DeviceClosedError, PushConstants, TimeoutError
 from . import kernels
 from .device_array import CallTransfers, DeviceArray, resolve_out
 from .host_arrays import describe, host_array, out_dtype_of
@@ -129,6 +131,23 @@ class _Scratch:
             b.close()
 
 
+class _Recording:
+    """A forward recorded by _run and the descriptor sets its commands use: the recorder does not free them,
+    so an evicted recording frees them here (else every re-recording would take new sets for good)."""
+
+    def __init__(self, rec, sets):
+        self.rec, self.sets = rec, sets
+
+    def close(self):
+        try:
+            with self.rec.device.use():  # a concurrent Device.close() waits for this instead of racing it
+                self.rec.close()
+                for s in self.sets:
+                    s.free()
+        except DeviceClosedError:
+            pass  # the device destroyed them with everything made from it
+
+
 class RunResult(NamedTuple):
     """What one submitted forward gave: the output, its GPU time, and the abort code (0: the output is valid)."""
     out: np.ndarray
@@ -146,7 +165,7 @@ class _SplitPath:
         self._moe = moe
 
     def record(self, cmd, scratch, buffers):
-        self._moe._record_split(cmd, scratch, buffers)
+        return self._moe._record_split(cmd, scratch, buffers)
 
     def check(self, scratch):
         return 0
@@ -162,7 +181,7 @@ class _PersistentPath:
         self.key = ("persistent", pplan.workgroups, pplan.spin_limit, pplan.loop_budget)
 
     def record(self, cmd, scratch, buffers):
-        self._moe._record_persistent(cmd, scratch, buffers, self.pplan)
+        return self._moe._record_persistent(cmd, scratch, buffers, self.pplan)
 
     def check(self, scratch):
         return scratch.last_status
@@ -265,10 +284,15 @@ class Exl3MoeMlp:
         self.bits = {"gate": gate.bits if gate is not None else 0, "up": up.bits, "down": down.bits}
         self._up, self._down = up, down
         self._gate = gate if gate is not None else up  # gateless: bound, never read
-        self._scratch = {}
+        # Per batch shape (m, top_k), least recently used first: at most VKMOE_SHAPE_CACHE shapes that calls
+        # used, plus those pinned by record() (_scratch_for evicts, in place: the finalizer holds these dicts).
+        self._scratch = OrderedDict()
         self._io = {}
-        self._recorded = {}
-        self._call_lock = threading.Lock()
+        self._recorded = {}   # (m, top_k, path key) -> _Recording
+        self._pinned = set()  # shapes passed to record(): a caller's command buffer uses their scratch
+        # One forward at a time per layer (the io and scratch buffers are per layer), and no eviction under a
+        # running one; reentrant: _launch holds it around _run.
+        self._call_lock = threading.RLock()
         self._transfers = CallTransfers(device)      # DeviceArray copies riding on a call's one submission
         self._call_options = threading.local()      # per call: the DeviceArray the output goes to, if any
         self.last_run = None
@@ -306,11 +330,28 @@ class Exl3MoeMlp:
                 layout.SPEC_MOE_ROWS: plan.rows, layout.SPEC_MOE_ACT: ACTIVATIONS[self.activation]}
 
     def _scratch_for(self, m, top_k):
+        """The scratch of batch shape (m, top_k), made on first use. A server sees every m, so a new shape first
+        evicts the least recently used ones beyond VKMOE_SHAPE_CACHE (pinned shapes excepted)."""
         key = (m, top_k)
-        if key not in self._scratch:
+        with self._call_lock:
+            if key in self._scratch:
+                self._scratch.move_to_end(key)
+                return self._scratch[key]
+            self._evict_shapes(knobs.get("VKMOE_SHAPE_CACHE") - 1)
             plan = moe_plan(self.device, m, top_k, self.E, self.H, self.I, self.gated)
             self._scratch[key] = _Scratch(self.device, plan, self.H, self.I)
-        return self._scratch[key]
+            return self._scratch[key]
+
+    def _evict_shapes(self, keep):
+        """Free the recordings, io buffers and scratch of the least recently used unpinned shapes until `keep`
+        remain. Called with the call lock held, so no call is using them."""
+        shapes = [k for k in self._scratch if k not in self._pinned]
+        for shape in shapes[:max(0, len(shapes) - keep)]:
+            for key in [k for k in self._recorded if k[:2] == shape]:
+                self._recorded.pop(key).close()
+            for b in self._io.pop(shape, ()):
+                b.close()
+            self._scratch.pop(shape).close()
 
     def _push(self, plan, pplan=None, **override):
         values = dict(m=plan.m, top_k=plan.top_k, E=self.E, H=self.H, I=self.I, max_chunks=plan.max_chunks,
@@ -333,13 +374,12 @@ class Exl3MoeMlp:
         gate_up = kernels.pipeline(dev, "moe_gate_up", MoePush, spec, decode=True, binding_count=MOE_BINDINGS)
         down = kernels.pipeline(dev, "moe_down", MoePush, spec, decode=True, binding_count=MOE_BINDINGS)
         route_grid, gate_up_grid, down_grid = layout.split_grids(plan, self.H, self.I, self.gated)
-        # routing (workgroup 0) and stage 1 (the rest) in one dispatch
-        cmd.dispatch(route, route.bind(*buffers), route_grid, push)
-        cmd.barrier()
-        cmd.dispatch(gate_up, gate_up.bind(*buffers), gate_up_grid, push)
-        cmd.barrier()
-        cmd.dispatch(down, down.bind(*buffers), down_grid, push)
-        cmd.barrier()
+        sets = [route.bind(*buffers), gate_up.bind(*buffers), down.bind(*buffers)]
+        # routing (workgroup 0) and stage 1 (the rest) share the first dispatch; a barrier after each
+        for pipe, dset, grid in zip((route, gate_up, down), sets, (route_grid, gate_up_grid, down_grid)):
+            cmd.dispatch(pipe, dset, grid, push)
+            cmd.barrier()
+        return sets
 
     def _persistent_pipeline(self, plan):
         return kernels.pipeline(self.device, "moe_persistent", MoePush, self._spec(plan), decode=True,
@@ -348,11 +388,13 @@ class Exl3MoeMlp:
     def co_resident(self, plan):
         """How many workgroups of the persistent pipeline for this batch plan the device keeps resident at once,
         measured by that pipeline itself in its discovery mode (once per pipeline and device; vkmoe.sched.occupancy)."""
-        from ..sched import occupancy
-
         pipe = self._persistent_pipeline(plan)
         key = (f"{pipe.name}@{kernels.binary_digest(pipe.name)}:"
                + ",".join(f"{k}={int(v)}" for k, v in sorted(pipe.spec.items())))
+        with self._call_lock:  # the shape's buffers are in use until the measurement ends
+            return self._measure_co_resident(pipe, key, plan)
+
+    def _measure_co_resident(self, pipe, key, plan):
         scratch = self._scratch_for(plan.m, plan.top_k)
         hb, ib, wb, ob = self._io_for(plan.m, plan.top_k)
 
@@ -369,8 +411,10 @@ class Exl3MoeMlp:
     def _record_persistent(self, cmd, scratch, buffers, pplan):
         plan, dev = scratch.plan, self.device
         pipe = self._persistent_pipeline(plan)
-        cmd.dispatch(pipe, pipe.bind(*buffers), pplan.workgroups, self._push(plan, pplan))
+        dset = pipe.bind(*buffers)
+        cmd.dispatch(pipe, dset, pplan.workgroups, self._push(plan, pplan))
         cmd.barrier()
+        return [dset]
 
     def record(self, cmd: CommandRecorder, hidden_buf: "Buffer", ids_buf: "Buffer",
                weights_buf: "Buffer", out_buf: "Buffer", m: int, top_k: int, mode: str = "split"):
@@ -390,7 +434,11 @@ class Exl3MoeMlp:
         for name, buf in zip(need, (hidden_buf, ids_buf, weights_buf, out_buf)):
             if buf.size < need[name]:
                 raise ValueError(f"{name} holds {buf.size} bytes; m={m}, top_k={top_k} needs {need[name]}")
-        scratch = self._scratch_for(m, top_k)
+        if mode not in ("split", "persistent"):
+            raise ValueError(f"mode must be 'split' or 'persistent', got {mode!r}")
+        with self._call_lock:
+            self._pinned.add((m, top_k))  # the caller's command buffer uses this scratch: never evicted
+            scratch = self._scratch_for(m, top_k)
         buffers = self._bindings(scratch, hidden_buf, ids_buf, weights_buf, out_buf)
         if mode == "split":
             self._record_split(cmd, scratch, buffers)
@@ -400,8 +448,6 @@ class Exl3MoeMlp:
             if not pplan.allowed:
                 raise ValueError(f"mode='persistent' is not possible here: {pplan.reason}")
             self._record_persistent(cmd, scratch, buffers, pplan)
-        else:
-            raise ValueError(f"mode must be 'split' or 'persistent', got {mode!r}")
         return scratch.plan
 
     def aborted(self, m: int, top_k: int) -> int:
@@ -475,6 +521,10 @@ class Exl3MoeMlp:
     def _launch(self, requested, hidden, ids, weights, m, top_k):
         """Run in the mode vkmoe.sched decides; a persistent launch that aborted (a bounded spin ran out) is
         re-run split on the same inputs. Sets last_run; returns the output."""
+        with self._call_lock:  # the shape's scratch stays (no eviction) until its last use below
+            return self._launch_locked(requested, hidden, ids, weights, m, top_k)
+
+    def _launch_locked(self, requested, hidden, ids, weights, m, top_k):
         start = time.perf_counter()
         scratch = self._scratch_for(m, top_k)
         decision = decide(self.device, scratch.plan, requested, self.E, self.H, self.I, self.gated,
@@ -501,6 +551,7 @@ class Exl3MoeMlp:
         reads them, the output (+ STATUS_BYTES) where the device writes and the host reads it, so a call needs
         no staging copies (vkmoe/vk/memory.py: "upload" and "readback" memory)."""
         key = (m, top_k)
+        self._scratch_for(m, top_k)  # registers the shape first: its io goes when it is evicted
         if key not in self._io:
             self._io[key] = tuple(self.device.memory.allocate_all(
                 [m * self.H * 2, m * top_k * 4, m * top_k * 4, m * self.H * 4 + STATUS_BYTES],
@@ -513,25 +564,32 @@ class Exl3MoeMlp:
         no stage writes stays NaN), with status=True the sync area's abort word copied behind the output.
         hidden may be a DeviceArray, and the output may go to the DeviceArray of _call_options.out (then out
         is None): their copies are recorded per call and ride on the same submission (CallTransfers)."""
-        hb, ib, wb, ob = self._io_for(m, top_k)
-        scratch = self._scratch_for(m, top_k)
-        out_bytes = m * self.H * 4
-        rec = self._recorded.get((m, top_k, key))
-        if rec is None:
-            rec = CommandRecorder(self.device, timestamps=2)
-            rec.begin()
-            rec.fill(ob, POISON_F32)  # an element no stage writes stays NaN
-            rec.barrier()
-            rec.timestamp()
-            record_body(rec, scratch, self._bindings(scratch, hb, ib, wb, ob))
-            rec.timestamp()
-            if status:  # record_body ended with a barrier: the kernel's abort word is final
-                rec.copy(scratch.sync, ob, 4, dst_offset=out_bytes)
-            rec.host_barrier()
-            rec.end()
-            self._recorded[(m, top_k, key)] = rec
-        target = getattr(self._call_options, "out", None)
         with self._call_lock:  # one forward at a time per layer: the io and scratch buffers are per layer
+            hb, ib, wb, ob = self._io_for(m, top_k)
+            scratch = self._scratch_for(m, top_k)
+            out_bytes = m * self.H * 4
+            recording = self._recorded.get((m, top_k, key))
+            first = recording is None
+            if first:
+                rec = CommandRecorder(self.device, timestamps=2)
+                try:
+                    rec.begin()
+                    rec.fill(ob, POISON_F32)  # an element no stage writes stays NaN
+                    rec.barrier()
+                    rec.timestamp()
+                    sets = record_body(rec, scratch, self._bindings(scratch, hb, ib, wb, ob))
+                    rec.timestamp()
+                    if status:  # record_body ended with a barrier: the kernel's abort word is final
+                        rec.copy(scratch.sync, ob, 4, dst_offset=out_bytes)
+                    rec.host_barrier()
+                    rec.end()
+                except BaseException:  # a recording that failed (e.g. on a closed device) leaves nothing behind
+                    _Recording(rec, ()).close()
+                    raise
+                # record_body returns the descriptor sets it bound (None: none to free with the recording)
+                recording = self._recorded[(m, top_k, key)] = _Recording(rec, sets or ())
+            rec = recording.rec
+            target = getattr(self._call_options, "out", None)
             copies_in = copies_out = ()
             if isinstance(hidden, DeviceArray):
                 copies_in = [(hidden.buffer, hb, m * self.H * 2)]
@@ -541,11 +599,29 @@ class Exl3MoeMlp:
             wb.upload(weights)
             if target is not None:
                 copies_out = [(ob, target.buffer, out_bytes)]
-            self._transfers.submit(rec, copies_in, copies_out)
+            self._submit(rec, copies_in, copies_out, first)
             gpu_ms = rec.elapsed_ms()
             out = ob.download(np.float32, (m, self.H)) if target is None else None
             abort = int(ob.download(np.uint32, (1,), offset=out_bytes)[0]) if status else 0
         return out, gpu_ms, scratch, abort
+
+    def _submit(self, rec, copies_in, copies_out, first):
+        """Submit and wait. The first submission of a newly recorded forward may include the driver's lazy compile
+        of its pipelines (lavapipe compiles at the first dispatch: 4.5 s for the tiny split layer on Mesa 25, over
+        60 s for a larger persistent one), which must not be mistaken for a hung device: it may take up to
+        occupancy.COMPILE_TIMEOUT_S in all; later submissions get VKMOE_TIMEOUT."""
+        start = time.monotonic()
+        try:
+            self._transfers.submit(rec, copies_in, copies_out)
+        except TimeoutError:
+            if not (first and rec.pending):
+                raise
+            try:  # still running after VKMOE_TIMEOUT: wait on within the compile bound
+                rec.wait(max(0.0, occupancy.COMPILE_TIMEOUT_S - (time.monotonic() - start)))
+            except TimeoutError:
+                raise TimeoutError(f"the first run of a newly recorded forward (which may include the driver's "
+                                   f"shader compile) did not finish within {occupancy.COMPILE_TIMEOUT_S} s; the "
+                                   "device may be hung and should be recreated") from None
 
     def _run_path(self, path, hidden, ids, weights, m, top_k):
         out, gpu_ms, scratch, status = self._run(hidden, ids, weights, m, top_k, path.key, path.record,
@@ -616,8 +692,10 @@ class Exl3MoeMlp:
         return self._forward(hidden, ids, weights, dispatch)
 
     def close(self):
-        self._transfers.close()
-        _release_layer(*self._resources)
+        with self._call_lock:  # after a call running in another thread, never under it
+            self._transfers.close()
+            _release_layer(*self._resources)
+            self._pinned.clear()
 
     def __enter__(self):
         return self

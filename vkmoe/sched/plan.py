@@ -96,6 +96,12 @@ def persistent_plan(device, moe_plan, E, H, I, gated, measured=None, scratch_fit
         return plan(False, False, f"{E} experts: the persistent kernel routes at most {PERSISTENT_ROUTE_MAX_EXPERTS}")
     if workgroups < 1:
         return plan(False, False, source)
+    # A forced grid (VKMOE_PERSISTENT_GRID) or a cached measurement can exceed what one dispatch may launch;
+    # the dispatch would then fail to record, so such a grid is refused here and the batch runs split.
+    limit = device.limits.maxComputeWorkGroupCount[0]
+    if workgroups > limit:
+        return plan(False, False, f"a grid of {workgroups} workgroups ({source}) exceeds this device's "
+                                  f"maxComputeWorkGroupCount[0] ({limit}): the split path is used")
     if cap:
         # Every loop iteration of an invocation counts against the cap, spins included: spins get what the
         # work cannot use, with a margin.
