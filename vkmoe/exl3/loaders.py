@@ -9,7 +9,7 @@ import numpy as np
 from .errors import CheckpointError, MissingTensorError
 from .tensor import Exl3Tensor
 
-__all__ = ["load_exl3_tensor", "load_moe_experts", "save_exl3_tensor", "MUL1_FLAG", "MCG_FLAG", "CheckpointError",
+__all__ = ["load_exl3_tensor", "load_moe_experts", "count_moe_experts", "save_exl3_tensor", "MUL1_FLAG", "MCG_FLAG", "CheckpointError",
            "MissingTensorError"]
 
 
@@ -111,8 +111,12 @@ def load_exl3_tensor(safetensors_file_or_dict, key: str) -> Exl3Tensor:
         raise CheckpointError(f"{key}: {exc}") from None
 
 
-def load_moe_experts(safetensors_file_or_dict, prefix: str, num_experts: int | None = None) -> dict:
+def load_moe_experts(safetensors_file_or_dict, prefix: str, num_experts: int | None = None,
+                     expert_range: tuple | None = None) -> dict:
     """{'gate': [Exl3Tensor]*E or None, 'up': [...], 'down': [...], 'num_experts', 'codebook', 'bits'}.
+
+    `expert_range` = (first, count): read only those experts' tensors (a shard of the layer, vkmoe.ops.sharded);
+    the lists then hold `count` experts and 'num_experts' is still the layer's.
 
     Experts are `{prefix}.experts.{e}.{gate,up,down}_proj`; E = 1 + the largest index found, and every index
     below it must be complete. No gate_proj keys at all means a gateless (relu2) layer. The file alone cannot
@@ -124,18 +128,12 @@ def load_moe_experts(safetensors_file_or_dict, prefix: str, num_experts: int | N
                                     or num_experts < 1):
         raise TypeError(f"num_experts: expected a positive int or None, got {num_experts!r}")
     src = _Source(safetensors_file_or_dict)
-    pat = re.compile(re.escape(prefix) + r"\.experts\.(\d+)\.(gate|up|down)_proj\.")
-    found = {}
-    for key in src.keys():
-        mt = pat.match(key)
-        if mt:
-            found.setdefault(mt.group(2), set()).add(int(mt.group(1)))
-    if not found:
-        raise MissingTensorError(f"no keys '{prefix}.experts.<e>.<gate|up|down>_proj.*' found in {src.name}")
+    found = _expert_keys(src, prefix)
     num = 1 + max(max(v) for v in found.values())
     if num_experts is not None and num != num_experts:
         error = MissingTensorError if num < num_experts else CheckpointError
         raise error(f"{src.name}: {prefix} has experts 0..{num - 1}; expected {num_experts} experts")
+    first, count = (0, num) if expert_range is None else _check_expert_range(expert_range, num, src.name, prefix)
     result = {"num_experts": num}
     codebooks, bits = set(), {}
     for proj in ("gate", "up", "down"):
@@ -143,7 +141,7 @@ def load_moe_experts(safetensors_file_or_dict, prefix: str, num_experts: int | N
             result["gate"] = None
             continue
         tensors = []
-        for e in range(num):
+        for e in range(first, first + count):
             key = f"{prefix}.experts.{e}.{proj}_proj"
             if f"{key}.trellis" not in src:
                 raise MissingTensorError(f"{key}.trellis not found in {src.name} (expert {e} of {num} is incomplete)")
@@ -165,6 +163,34 @@ def load_moe_experts(safetensors_file_or_dict, prefix: str, num_experts: int | N
     result["codebook"] = codebooks.pop()
     result["bits"] = bits
     return result
+
+
+def _expert_keys(src, prefix):
+    """{projection: set of expert indices} of the `{prefix}.experts.{e}.{proj}_proj.*` keys (a key scan only)."""
+    pat = re.compile(re.escape(prefix) + r"\.experts\.(\d+)\.(gate|up|down)_proj\.")
+    found = {}
+    for key in src.keys():
+        mt = pat.match(key)
+        if mt:
+            found.setdefault(mt.group(2), set()).add(int(mt.group(1)))
+    if not found:
+        raise MissingTensorError(f"no keys '{prefix}.experts.<e>.<gate|up|down>_proj.*' found in {src.name}")
+    return found
+
+
+def count_moe_experts(safetensors_file_or_dict, prefix: str) -> int:
+    """How many experts a layer has in a file, directory or dict (1 + the largest index; reads no tensor)."""
+    return 1 + max(max(v) for v in _expert_keys(_Source(safetensors_file_or_dict), prefix).values())
+
+
+def _check_expert_range(expert_range, num, name, prefix):
+    try:
+        first, count = (int(v) for v in expert_range)
+    except (TypeError, ValueError):
+        raise TypeError(f"expert_range: expected a (first, count) pair of ints, got {expert_range!r}") from None
+    if count < 1 or first < 0 or first + count > num:
+        raise ValueError(f"expert_range={expert_range!r}: {name} has experts 0..{num - 1} under {prefix}")
+    return first, count
 
 
 def save_exl3_tensor(dict_out: dict, key: str, tensor: Exl3Tensor, legacy_signs: bool = False) -> dict:

@@ -280,6 +280,9 @@ class Exl3MoeMlp:
     def _setup(self, device, codebook, E, H, I, gate, up, down):
         self.device = device
         self.E, self.H, self.I = E, H, I
+        # The experts the GEMM plans assume: the whole layer's for a shard of it (vkmoe.ops.sharded), so that a
+        # shard's k-splits, hence its bits, are those of the whole layer.
+        self.plan_experts = E
         self.codebook = codebook
         self.bits = {"gate": gate.bits if gate is not None else 0, "up": up.bits, "down": down.bits}
         self._up, self._down = up, down
@@ -338,7 +341,7 @@ class Exl3MoeMlp:
                 self._scratch.move_to_end(key)
                 return self._scratch[key]
             self._evict_shapes(knobs.get("VKMOE_SHAPE_CACHE") - 1)
-            plan = moe_plan(self.device, m, top_k, self.E, self.H, self.I, self.gated)
+            plan = moe_plan(self.device, m, top_k, self.plan_experts, self.H, self.I, self.gated)
             self._scratch[key] = _Scratch(self.device, plan, self.H, self.I)
             return self._scratch[key]
 
@@ -506,6 +509,18 @@ class Exl3MoeMlp:
         finally:
             self._call_options.out = None
         return target
+
+    def slot_rows(self, hidden, ids, weights, dispatch=None):
+        """The per-(token, slot) outputs (m, top_k, H) float32 of a forward whose `ids` are this op's own (ids
+        outside [0, E) are skipped and their rows are unspecified: the caller masks them): what the device sums
+        per token in slot order. For a layer split over several devices (vkmoe.ops.sharded). Inputs as checked by
+        the caller."""
+        m, top_k = ids.shape
+        if m == 0:
+            return np.zeros((0, top_k, self.H), np.float32)
+        with self._call_lock:  # the shape's scratch (and its rows) stays until they are read
+            self._forward(hidden, ids, weights, dispatch)
+            return self._scratch_for(m, top_k).rows.download(np.float32, (m, top_k, self.H))
 
     def _forward(self, hidden, ids, weights, dispatch):
         """Run checked inputs (ids outside [0, E) are skipped on the device) in the resolved dispatch mode."""

@@ -1,0 +1,153 @@
+"""A MoE layer's experts split over several Vulkan devices (expert parallelism).
+
+Each device holds a contiguous range of the layer's experts as an ordinary Exl3MoeMlp (a shard) whose GEMM plans
+are those of the whole layer, so an expert gives the same bits wherever it is placed. A call hands every shard
+the global routing with the ids of other shards' experts replaced by -1 (skipped on the device), runs the shards
+concurrently (one thread per device: each waits on its own queue, none waits for another's host round trip), and
+sums the per-(token, slot) rows on the host in slot order, starting from 0.0 in float32: the same additions in
+the same order as one device's token sum, so the result is bit for bit that of the whole layer on one device,
+however the experts are placed.
+
+Cross-host distribution is out of scope: a runtime places shards on several hosts with its own transport and sums
+the per-slot rows in slot order the same way.
+"""
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from ..exl3.reference import check_op_routing
+from .host_arrays import host_array
+from .moe import Exl3MoeMlp
+
+
+def even_ranges(num_experts, shards):
+    """[(first, count)] splitting num_experts into `shards` contiguous ranges, the larger ones first."""
+    if not isinstance(shards, int) or isinstance(shards, bool) or not 1 <= shards <= num_experts:
+        raise ValueError(f"shards: expected an int in 1..{num_experts} (the layer's experts), got {shards!r}")
+    base, extra = divmod(num_experts, shards)
+    ranges, first = [], 0
+    for i in range(shards):
+        count = base + (1 if i < extra else 0)
+        ranges.append((first, count))
+        first += count
+    return ranges
+
+
+def check_ranges(ranges, num_experts):
+    """Ranges must be (first, count) pairs that cover [0, num_experts) in order, with no overlap and no gap."""
+    if not isinstance(ranges, (list, tuple)) or not ranges:
+        raise ValueError(f"ranges: expected a non-empty list of (first, count) pairs, got {ranges!r}")
+    expected = 0
+    for i, r in enumerate(ranges):
+        if (not isinstance(r, (list, tuple)) or len(r) != 2
+                or not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in r)):
+            raise ValueError(f"ranges[{i}]: expected a (first, count) pair of ints, got {r!r}")
+        first, count = int(r[0]), int(r[1])
+        if count < 1:
+            raise ValueError(f"ranges[{i}] = {r!r}: count must be >= 1")
+        if first != expected:
+            what = "overlaps the previous range" if first < expected else "leaves a gap after the previous range"
+            raise ValueError(f"ranges[{i}] = {r!r} {what}: expected first = {expected} (ranges must cover "
+                             f"[0, {num_experts}) in order)")
+        expected = first + count
+    if expected != num_experts:
+        raise ValueError(f"ranges cover [0, {expected}) but the layer has {num_experts} experts")
+    return [(int(a), int(b)) for a, b in ranges]
+
+
+class ShardedMoeMlp:
+    """The routed experts of one MoE layer over several devices. `devices`: vkmoe.Device per shard; gate/up/down:
+    the WHOLE layer's expert lists (gate None for relu2); `ranges`: [(first, count)] per device (default: an even
+    split). `layer(hidden, expert_ids, expert_weights)` takes global expert ids and returns (m, H) float32."""
+
+    def __init__(self, devices, gate, up, down, activation="silu", act_limit=0.0, ranges=None, dispatch=None):
+        devices = list(devices) if isinstance(devices, (list, tuple)) else devices
+        if not isinstance(devices, list) or not devices:
+            raise ValueError(f"devices: expected a non-empty list of vkmoe.Device, got {devices!r}")
+        if not isinstance(up, (list, tuple)) or not up:
+            raise TypeError("up must be a non-empty list of vkmoe.Exl3Tensor (one per expert)")
+        self.E = len(up)
+        self.ranges = check_ranges(ranges if ranges is not None else even_ranges(self.E, len(devices)), self.E)
+        if len(self.ranges) != len(devices):
+            raise ValueError(f"ranges has {len(self.ranges)} entries but there are {len(devices)} devices")
+        self.shards = []
+        try:
+            for dev, (first, count) in zip(devices, self.ranges):
+                part = slice(first, first + count)
+                shard = Exl3MoeMlp(dev, None if gate is None else list(gate[part]), list(up[part]),
+                                   list(down[part]), activation=activation, act_limit=act_limit, dispatch=dispatch)
+                shard.plan_experts = self.E  # the whole layer's plans: an expert's bits do not depend on placement
+                self.shards.append(shard)
+        except BaseException:
+            self.close()
+            raise
+        self.H = self.shards[0].H
+        self._pool = ThreadPoolExecutor(max_workers=len(self.shards), thread_name_prefix="vkmoe-shard")
+
+    @classmethod
+    def from_safetensors(cls, devices, path, prefix, activation="silu", act_limit=0.0, ranges=None, dispatch=None,
+                         num_experts=None):
+        """Load `{prefix}.experts.{e}.{gate,up,down}_proj` from a .safetensors file, a model directory or a dict,
+        each device reading only its own experts' tensors."""
+        from ..exl3.loaders import count_moe_experts, load_moe_experts
+
+        E = num_experts or count_moe_experts(path, prefix)
+        ranges = check_ranges(ranges if ranges is not None else even_ranges(E, len(devices)), E)
+        parts = [load_moe_experts(path, prefix, num_experts, expert_range=r) for r in ranges]
+        gated = parts[0]["gate"] is not None
+        if not gated and activation != "relu2":
+            raise ValueError(f"{prefix}: no gate_proj tensors; a gateless layer needs activation='relu2'")
+        joined = {p: (None if not gated and p == "gate" else [t for part in parts for t in part[p]])
+                  for p in ("gate", "up", "down")}
+        # The experts are held by the shards only: each device uploads its own range.
+        return cls(devices, joined["gate"], joined["up"], joined["down"], activation=activation,
+                   act_limit=act_limit, ranges=ranges, dispatch=dispatch)
+
+    def _shard_call(self, index, hidden, ids, weights, dispatch):
+        first, count = self.ranges[index]
+        local = ids - first
+        local[(ids < first) | (ids >= first + count)] = -1  # another shard's expert: skipped on this device
+        return self.shards[index].slot_rows(hidden, local, weights, dispatch)
+
+    def __call__(self, hidden, expert_ids, expert_weights, dispatch=None):
+        hidden = host_array(hidden, "hidden")
+        expert_ids, expert_weights = host_array(expert_ids, "expert_ids"), host_array(expert_weights, "expert_weights")
+        # Shape and dtype checks of the op itself (ids against the whole layer's experts below).
+        if not isinstance(hidden, np.ndarray) or hidden.ndim != 2 or hidden.shape[1] != self.H \
+                or hidden.dtype != np.float16:
+            raise ValueError(f"hidden: expected shape (m, {self.H}) float16, got {getattr(hidden, 'shape', None)} "
+                             f"{getattr(hidden, 'dtype', type(hidden).__name__)}")
+        if not isinstance(expert_ids, np.ndarray) or expert_ids.ndim != 2 or expert_ids.shape[0] != hidden.shape[0] \
+                or expert_ids.dtype.kind not in "iu":
+            raise ValueError(f"expert_ids: expected an integer array of shape ({hidden.shape[0]}, top_k)")
+        if not isinstance(expert_weights, np.ndarray) or expert_weights.shape != expert_ids.shape:
+            raise ValueError(f"expert_weights: expected shape {expert_ids.shape}")
+        check_op_routing(expert_ids, expert_weights, self.E)
+        m, top_k = expert_ids.shape
+        ids = np.ascontiguousarray(expert_ids, np.int32)
+        weights = np.ascontiguousarray(expert_weights, np.float32)
+        x = np.ascontiguousarray(hidden)
+        futures = [self._pool.submit(self._shard_call, i, x, ids, weights, dispatch) for i in range(len(self.shards))]
+        rows = [f.result() for f in futures]
+        owner = np.searchsorted([first + count for first, count in self.ranges], ids, side="right")
+        out = np.zeros((m, self.H), np.float32)
+        for s in range(top_k):  # slot order, as the device sums a token's rows: the same bits
+            for i, r in enumerate(rows):
+                mine = owner[:, s] == i
+                out[mine] += r[mine, s]
+        return out
+
+    def close(self):
+        for shard in getattr(self, "shards", []):
+            shard.close()
+        self.shards = []
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=True)
+            self._pool = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
