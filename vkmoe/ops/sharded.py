@@ -85,6 +85,22 @@ class ShardedMoeMlp:
         self._pool = ThreadPoolExecutor(max_workers=len(self.shards), thread_name_prefix="vkmoe-shard")
 
     @classmethod
+    def from_shards(cls, shards, ranges):
+        """Wrap existing shards (Exl3MoeMlp, one per range, e.g. device-filled benchmark layers); their plans are
+        set to the whole layer's."""
+        self = cls.__new__(cls)
+        self.E = sum(count for _, count in ranges)
+        self.ranges = check_ranges(ranges, self.E)
+        if len(shards) != len(self.ranges) or any(sh.E != c for sh, (_, c) in zip(shards, self.ranges)):
+            raise ValueError("shards: expected one Exl3MoeMlp per range, holding `count` experts each")
+        self.shards = list(shards)
+        for shard in self.shards:
+            shard.plan_experts = self.E
+        self.H = self.shards[0].H
+        self._pool = ThreadPoolExecutor(max_workers=len(self.shards), thread_name_prefix="vkmoe-shard")
+        return self
+
+    @classmethod
     def from_safetensors(cls, devices, path, prefix, activation="silu", act_limit=0.0, ranges=None, dispatch=None,
                          num_experts=None):
         """Load `{prefix}.experts.{e}.{gate,up,down}_proj` from a .safetensors file, a model directory or a dict,
