@@ -103,7 +103,7 @@ class _Scratch:
     """The per-batch-size device buffers of one layer: routing tables, fp16 stage buffers, GEMM partials,
     per-(token, slot) output rows and the self-resetting counters."""
 
-    def __init__(self, device, plan, H, I):
+    def __init__(self, device, plan, H, I, rows_kind="device"):
         self.plan = plan
         size = layout.scratch_bytes(plan, H, I)
         # The persistent kernel needs room for both GEMMs' partials; where that exceeds the device's buffer range
@@ -113,8 +113,9 @@ class _Scratch:
             size["partial"] = size["partial_split"]
         self.sync_words = size["sync"] // 4
         # all or nothing: a batch too large for the device allocates nothing
-        self.buffers = device.memory.allocate_all([size[k] for k in ("route", "states", "inter", "partial", "rows",
-                                                                      "sync")])
+        names = ("route", "states", "inter", "partial", "rows", "sync")
+        self.buffers = device.memory.allocate_all([size[k] for k in names],
+                                                  kinds=[rows_kind if k == "rows" else "device" for k in names])
         self.route, self.states, self.inter, self.partial, self.rows, self.sync = self.buffers
         self.last_status = 0  # the abort word the last submitted persistent launch left (read with its output)
         self.reset_sync()
@@ -283,6 +284,9 @@ class Exl3MoeMlp:
         # The experts the GEMM plans assume: the whole layer's for a shard of it (vkmoe.ops.sharded), so that a
         # shard's k-splits, hence its bits, are those of the whole layer.
         self.plan_experts = E
+        # Where the per-(token, slot) rows live: device memory; "readback" (host-visible) for a shard, whose rows
+        # the host reads after every call (slot_rows) without a staging copy.
+        self.rows_kind = "device"
         self.codebook = codebook
         self.bits = {"gate": gate.bits if gate is not None else 0, "up": up.bits, "down": down.bits}
         self._up, self._down = up, down
@@ -342,7 +346,7 @@ class Exl3MoeMlp:
                 return self._scratch[key]
             self._evict_shapes(knobs.get("VKMOE_SHAPE_CACHE") - 1)
             plan = moe_plan(self.device, m, top_k, self.plan_experts, self.H, self.I, self.gated)
-            self._scratch[key] = _Scratch(self.device, plan, self.H, self.I)
+            self._scratch[key] = _Scratch(self.device, plan, self.H, self.I, self.rows_kind)
             return self._scratch[key]
 
     def _evict_shapes(self, keep):

@@ -77,6 +77,7 @@ class ShardedMoeMlp:
                 shard = Exl3MoeMlp(dev, None if gate is None else list(gate[part]), list(up[part]),
                                    list(down[part]), activation=activation, act_limit=act_limit, dispatch=dispatch)
                 shard.plan_experts = self.E  # the whole layer's plans: an expert's bits do not depend on placement
+                shard.rows_kind = "readback"  # the host reads the rows after every call
                 self.shards.append(shard)
         except BaseException:
             self.close()
@@ -96,6 +97,7 @@ class ShardedMoeMlp:
         self.shards = list(shards)
         for shard in self.shards:
             shard.plan_experts = self.E
+            shard.rows_kind = "readback"
         self.H = self.shards[0].H
         self._pool = ThreadPoolExecutor(max_workers=len(self.shards), thread_name_prefix="vkmoe-shard")
         return self
