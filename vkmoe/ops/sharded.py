@@ -148,11 +148,14 @@ class ShardedMoeMlp:
         futures = [self._pool.submit(self._shard_call, i, x, ids, weights, dispatch) for i in range(len(self.shards))]
         rows = [f.result() for f in futures]
         owner = np.searchsorted([first + count for first, count in self.ranges], ids, side="right")
+        slots = rows[0]
+        for i, r in enumerate(rows[1:], 1):  # each (token, slot) row from the shard that holds its expert
+            np.copyto(slots, r, where=(owner == i)[:, :, None])
+        # Slot order from 0.0 in float32, as the device sums a token's rows: the same bits. (Every slot is valid
+        # here: __call__ accepts only ids of the layer.)
         out = np.zeros((m, self.H), np.float32)
-        for s in range(top_k):  # slot order, as the device sums a token's rows: the same bits
-            for i, r in enumerate(rows):
-                mine = owner[:, s] == i
-                out[mine] += r[mine, s]
+        for s in range(top_k):
+            out += slots[:, s]
         return out
 
     def close(self):
