@@ -1,5 +1,5 @@
 """A layer's experts over several devices (vkmoe.ops.sharded): two vkmoe.Device instances on the one lavapipe
-stand in for two GPUs. The sharded output must equal the whole layer on one device bit for bit, whatever the
+stand in for two GPUs (conftest's `device` and this module's own `dev`). The sharded output must equal the whole layer on one device bit for bit, whatever the
 placement, and bad ranges must be refused with a clear error."""
 import numpy as np
 import pytest
@@ -9,13 +9,6 @@ from goldens import golden_files, load_layer, rel_rms
 from vkmoe.ops.sharded import ShardedMoeMlp, check_ranges, even_ranges
 
 LAYER = golden_files()[1]  # b_mixed_bits: 16 experts, mixed bit widths, top-4
-
-
-@pytest.fixture(scope="module")
-def second_device():
-    d = vkmoe.Device()
-    yield d
-    d.close()
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +29,8 @@ def _bits(a):
 
 @pytest.mark.parametrize("ranges", [None, [(0, 1), (1, 15)], [(0, 11), (11, 5)]],
                          ids=["even", "one-and-rest", "uneven"])
-def test_sharded_equals_the_whole_layer_bit_for_bit(device, second_device, layer, whole, ranges):
-    with ShardedMoeMlp([device, second_device], layer.gate, layer.up, layer.down, activation=layer.activation,
+def test_sharded_equals_the_whole_layer_bit_for_bit(device, dev, layer, whole, ranges):
+    with ShardedMoeMlp([device, dev], layer.gate, layer.up, layer.down, activation=layer.activation,
                        act_limit=layer.act_limit, ranges=ranges) as sharded:
         for i, c in enumerate(layer.calls):
             out = sharded(c["x"], c["selected"], c["weights"], dispatch="split")
@@ -46,18 +39,18 @@ def test_sharded_equals_the_whole_layer_bit_for_bit(device, second_device, layer
             assert rel_rms(out, c["ref_out"]) < 3e-3
 
 
-def test_three_shards_and_persistent_mode_give_the_same_bits(device, second_device, layer, whole):
-    with ShardedMoeMlp([device, second_device, device], layer.gate, layer.up, layer.down,
+def test_three_shards_and_persistent_mode_give_the_same_bits(device, dev, layer, whole):
+    with ShardedMoeMlp([device, dev, device], layer.gate, layer.up, layer.down,
                        activation=layer.activation, act_limit=layer.act_limit, ranges=[(0, 3), (3, 9), (12, 4)]) as s:
         c = layer.calls[0]
         for mode in ("split", "persistent"):
             assert np.array_equal(_bits(s(c["x"], c["selected"], c["weights"], dispatch=mode)), _bits(whole[0])), mode
 
 
-def test_a_token_whose_experts_are_all_elsewhere_gets_its_rows_from_the_other_shard(device, second_device, layer):
+def test_a_token_whose_experts_are_all_elsewhere_gets_its_rows_from_the_other_shard(device, dev, layer):
     c = layer.calls[0]
     ids = np.sort(c["selected"], axis=1)
-    with ShardedMoeMlp([device, second_device], layer.gate, layer.up, layer.down, activation=layer.activation,
+    with ShardedMoeMlp([device, dev], layer.gate, layer.up, layer.down, activation=layer.activation,
                        act_limit=layer.act_limit, ranges=[(0, 8), (8, 8)]) as s, \
             vkmoe.Exl3MoeMlp(device, layer.gate, layer.up, layer.down, activation=layer.activation,
                              act_limit=layer.act_limit) as moe:
@@ -71,21 +64,21 @@ def test_a_token_whose_experts_are_all_elsewhere_gets_its_rows_from_the_other_sh
     ([(0, 16), (16, 0)], "count must be >= 1"), ([(0, 8)], "cover"), ([(0, "8"), (8, 8)], "pair of ints"),
     ([], "non-empty"),
 ])
-def test_bad_ranges_are_refused(device, second_device, layer, ranges, match):
+def test_bad_ranges_are_refused(device, dev, layer, ranges, match):
     with pytest.raises(ValueError, match=match):
-        ShardedMoeMlp([device, second_device], layer.gate, layer.up, layer.down, activation=layer.activation,
+        ShardedMoeMlp([device, dev], layer.gate, layer.up, layer.down, activation=layer.activation,
                       ranges=ranges)
 
 
-def test_range_helpers_and_bad_calls(device, second_device, layer):
+def test_range_helpers_and_bad_calls(device, dev, layer):
     assert even_ranges(16, 3) == [(0, 6), (6, 5), (11, 5)]
     assert check_ranges([(0, 10), (10, 6)], 16) == [(0, 10), (10, 6)]
     with pytest.raises(ValueError, match="shards"):
         even_ranges(4, 5)
     with pytest.raises(ValueError, match="3 devices"):
-        ShardedMoeMlp([device, second_device, device], layer.gate, layer.up, layer.down,
+        ShardedMoeMlp([device, dev, device], layer.gate, layer.up, layer.down,
                       activation=layer.activation, ranges=[(0, 8), (8, 8)])
-    with ShardedMoeMlp([device, second_device], layer.gate, layer.up, layer.down, activation=layer.activation) as s:
+    with ShardedMoeMlp([device, dev], layer.gate, layer.up, layer.down, activation=layer.activation) as s:
         c = layer.calls[0]
         bad = c["selected"].copy()
         bad[0, 0] = 16
@@ -95,7 +88,7 @@ def test_range_helpers_and_bad_calls(device, second_device, layer):
             s(c["x"].astype(np.float32), c["selected"], c["weights"])
 
 
-def test_from_a_checkpoint_each_shard_reads_its_experts(device, second_device, tmp_path, monkeypatch):
+def test_from_a_checkpoint_each_shard_reads_its_experts(device, dev, tmp_path, monkeypatch):
     from vkmoe.exl3 import loaders
     from vkmoe.models import write_checkpoint
 
@@ -116,5 +109,5 @@ def test_from_a_checkpoint_each_shard_reads_its_experts(device, second_device, t
     ids = np.array([[0, 7], [3, 4], [6, 1]], np.int32)
     w = np.array([[0.6, 0.4], [0.5, 0.5], [0.2, 0.8]], np.float32)
     with vkmoe.Exl3MoeMlp.from_safetensors(device, ckpt, prefix) as moe, \
-            ShardedMoeMlp.from_safetensors([device, second_device], ckpt, prefix, ranges=[(0, 3), (3, 5)]) as s:
+            ShardedMoeMlp.from_safetensors([device, dev], ckpt, prefix, ranges=[(0, 3), (3, 5)]) as s:
         assert np.array_equal(_bits(s(x, ids, w)), _bits(moe(x, ids, w)))
