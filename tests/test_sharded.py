@@ -84,8 +84,10 @@ def test_range_helpers_and_bad_calls(device, dev, layer):
         bad[0, 0] = 16
         with pytest.raises(ValueError, match=r"expert_ids must lie in \[0, 16\)"):
             s(c["x"], bad, c["weights"])
-        with pytest.raises(ValueError, match="hidden"):
+        with pytest.raises(TypeError, match="hidden must be float16"):
             s(c["x"].astype(np.float32), c["selected"], c["weights"])
+        with pytest.raises(TypeError, match="expert_weights must be float16/float32"):
+            s(c["x"], c["selected"], c["weights"].astype(np.int32))
 
 
 def test_from_a_checkpoint_each_shard_reads_its_experts(device, dev, tmp_path, monkeypatch):

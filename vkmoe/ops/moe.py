@@ -465,7 +465,10 @@ class Exl3MoeMlp:
         self._scratch_for(m, top_k).reset_sync()
 
     # ------------------------------------------------------------------------------------------ validation
-    def _check_inputs(self, hidden, expert_ids, expert_weights):
+    def _check_inputs(self, hidden, expert_ids, expert_weights, experts=None):
+        """Shapes, dtypes and routing of a call; `experts`: how many experts the ids address (default this op's;
+        the whole layer's for a layer split over devices, vkmoe.ops.sharded)."""
+        E = self.E if experts is None else experts
         if isinstance(hidden, DeviceArray):
             hidden.check("hidden", self.device, (None, self.H), np.float16)
         elif not isinstance(hidden, np.ndarray) or hidden.ndim != 2 or hidden.shape[1] != self.H:
@@ -478,15 +481,15 @@ class Exl3MoeMlp:
         if expert_ids.dtype.kind not in "iu":
             raise TypeError(f"expert_ids must be an integer array, got {expert_ids.dtype}")
         top_k = expert_ids.shape[1]
-        if not 1 <= top_k <= min(self.E, MAX_TOP_K):
-            raise ValueError(f"expert_ids has top_k={top_k}; expected 1 <= top_k <= {min(self.E, MAX_TOP_K)} "
-                             f"(the number of experts, {self.E}, and vkmoe's limit {MAX_TOP_K})")
+        if not 1 <= top_k <= min(E, MAX_TOP_K):
+            raise ValueError(f"expert_ids has top_k={top_k}; expected 1 <= top_k <= {min(E, MAX_TOP_K)} "
+                             f"(the number of experts, {E}, and vkmoe's limit {MAX_TOP_K})")
         if not isinstance(expert_weights, np.ndarray) or expert_weights.shape != expert_ids.shape:
             raise ValueError(f"expert_weights: expected shape {expert_ids.shape} (that of expert_ids), got "
                              f"{describe(expert_weights)}")
         if expert_weights.dtype not in (np.float16, np.float32, np.float64):
             raise TypeError(f"expert_weights must be float16/float32, got {expert_weights.dtype}")
-        check_op_routing(expert_ids, expert_weights, self.E)
+        check_op_routing(expert_ids, expert_weights, E)
         return m, top_k
 
     # -------------------------------------------------------------------------------------------- forward

@@ -15,7 +15,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from ..exl3.reference import check_op_routing
 from .host_arrays import host_array
 from .moe import Exl3MoeMlp
 
@@ -130,17 +129,8 @@ class ShardedMoeMlp:
     def __call__(self, hidden, expert_ids, expert_weights, dispatch=None):
         hidden = host_array(hidden, "hidden")
         expert_ids, expert_weights = host_array(expert_ids, "expert_ids"), host_array(expert_weights, "expert_weights")
-        # Shape and dtype checks of the op itself (ids against the whole layer's experts below).
-        if not isinstance(hidden, np.ndarray) or hidden.ndim != 2 or hidden.shape[1] != self.H \
-                or hidden.dtype != np.float16:
-            raise ValueError(f"hidden: expected shape (m, {self.H}) float16, got {getattr(hidden, 'shape', None)} "
-                             f"{getattr(hidden, 'dtype', type(hidden).__name__)}")
-        if not isinstance(expert_ids, np.ndarray) or expert_ids.ndim != 2 or expert_ids.shape[0] != hidden.shape[0] \
-                or expert_ids.dtype.kind not in "iu":
-            raise ValueError(f"expert_ids: expected an integer array of shape ({hidden.shape[0]}, top_k)")
-        if not isinstance(expert_weights, np.ndarray) or expert_weights.shape != expert_ids.shape:
-            raise ValueError(f"expert_weights: expected shape {expert_ids.shape}")
-        check_op_routing(expert_ids, expert_weights, self.E)
+        # The op's own checks, with ids addressing the whole layer's experts.
+        self.shards[0]._check_inputs(hidden, expert_ids, expert_weights, experts=self.E)
         m, top_k = expert_ids.shape
         ids = np.ascontiguousarray(expert_ids, np.int32)
         weights = np.ascontiguousarray(expert_weights, np.float32)
