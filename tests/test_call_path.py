@@ -307,7 +307,16 @@ def test_residency_cache_read_once(device, tmp_path, monkeypatch):
     assert len(reads) == 1, f"the cache file was read {len(reads)} times for 5 lookups"
     residency.lookup_crossover(device)["tiny"]["max_m"] = 99  # a caller's copy: the cache is unchanged
     assert residency.lookup_crossover(device)["tiny"]["max_m"] == 4
-    # Another process rewrites the file: the next lookup sees it.
+    # Within STAT_INTERVAL_S the file is not even looked at; after it, a rewrite by another process is seen.
+    monkeypatch.setattr(residency, "STAT_INTERVAL_S", 60.0)  # a slow CI machine must not reach the interval
+    residency.crossover_entries(device)
+    stats = []
+    real_stat = os.stat
+    monkeypatch.setattr(residency.os, "stat", lambda p, *a, **k: stats.append(p) or real_stat(p, *a, **k))
+    for _ in range(5):
+        residency.crossover_entries(device)
+    assert stats == [], "the cache file was stat'ed on every lookup"
+    monkeypatch.setattr(residency, "STAT_INTERVAL_S", 0.0)
     path = residency.cache_path()
     with open(path) as f:
         data = json.load(f)

@@ -128,7 +128,7 @@ def auto_switch_point(device):
     forced = knobs.get("VKMOE_PERSISTENT_MAX_M")
     if forced is not None:
         return forced, "VKMOE_PERSISTENT_MAX_M"
-    shapes = residency.lookup_crossover(device)
+    shapes = residency.crossover_entries(device)  # read-only, shared: no copy per call
     if shapes:
         shape, entry = min(shapes.items(), key=lambda kv: kv[1]["max_m"])
         return int(entry["max_m"]), f"measured crossover ({shape}, {entry.get('measured_at', '?')})"

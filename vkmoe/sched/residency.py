@@ -13,7 +13,7 @@ import os
 import threading
 import time
 
-from ..vk.cachefile import cache_path as _cache_path, read_json, warn, write_json
+from ..vk.cachefile import cache_path as _cache_path, location_key, read_json, warn, write_json
 
 FILENAME = "residency.json"
 FORMAT = 1  # bump when the entry layout changes; entries of another format are ignored
@@ -54,25 +54,45 @@ def _load(fresh=False):
 
 
 _memo = {}  # path -> ((inode, mtime_ns, size), parsed file)
+# Auto mode looks the cache up on every MoE call (a decode step makes thousands): the file's path and stat are
+# checked at most this often, so a store by ANOTHER process is seen within this many seconds (this process's own
+# stores are seen at once: _save forgets the check).
+STAT_INTERVAL_S = 0.5
+_checked = {"at": None, "where": None, "data": {}}  # when and where the file was last looked at, what it held
+_unsaved_version = [0]  # bumped whenever _unsaved changes (it is laid over the file: memos must see it)
 
 
 def _read_file():
-    """The cache file parsed, re-read only when its stat changes (a store by this or another process): auto mode
-    looks the cache up on every MoE call, so no file reads there. Shared: callers must not modify it."""
+    """The cache file parsed, re-read only when its stat changes (a store by this or another process): no file
+    reads per call, and at most one path lookup and stat per STAT_INTERVAL_S. Shared: callers must not modify it."""
+    now, where = time.monotonic(), location_key()
+    at = _checked["at"]
+    if at is not None and now - at < STAT_INTERVAL_S and _checked["where"] == where:
+        return _checked["data"]
     path = cache_path()
     try:
         st = os.stat(path)
     except OSError:
-        return {}
-    stamp = (st.st_ino, st.st_mtime_ns, st.st_size)  # write_json replaces the file: a new inode each time
-    hit = _memo.get(path)
-    if hit is None or hit[0] != stamp:
-        hit = _memo[path] = (stamp, read_json(FILENAME))
-    return hit[1]
+        data = {}
+    else:
+        stamp = (st.st_ino, st.st_mtime_ns, st.st_size)  # write_json replaces the file: a new inode each time
+        hit = _memo.get(path)
+        if hit is None or hit[0] != stamp:
+            hit = _memo[path] = (stamp, read_json(FILENAME))
+        data = hit[1]
+    _checked.update(at=now, where=where, data=data)
+    return data
+
+
+def forget_checks():
+    """Look at the file again on the next lookup (after a store, or when VKMOE_CACHE_DIR changed)."""
+    _checked["at"] = None
 
 
 def _save(data, key):
     """Write the cache; when that fails, keep device `key`'s entries in memory for this process."""
+    forget_checks()
+    _unsaved_version[0] += 1
     if write_json(FILENAME, data):
         _unsaved.pop(key, None)
     elif key is not None:
@@ -165,9 +185,27 @@ def store_crossover(device, shape, max_m, evidence):
 
 
 def lookup_crossover(device):
-    """{shape: {"max_m": ..., ...}} measured on this device, or {}."""
+    """{shape: {"max_m": ..., ...}} measured on this device, or {} (the caller's copy)."""
+    return copy.deepcopy(crossover_entries(device))
+
+
+_crossovers = {}  # device key -> (the parsed file, _unsaved_version, its valid crossover entries)
+
+
+def crossover_entries(device):
+    """lookup_crossover's answer, shared and read-only: for the per-call auto decision (no copy per call)."""
+    key = device_key(device)
     with _lock:
-        entry = _load().get(device_key(device), {}).get(CROSSOVER_KEY)
+        raw = _read_file()
+        hit = _crossovers.get(key)
+        if hit is not None and hit[0] is raw and hit[1] == _unsaved_version[0]:
+            return hit[2]
+        entries = _valid_crossovers(device, _load().get(key, {}).get(CROSSOVER_KEY))
+        _crossovers[key] = (raw, _unsaved_version[0], entries)
+        return entries
+
+
+def _valid_crossovers(device, entry):
     if not isinstance(entry, dict) or entry.get("format") != FORMAT:
         return {}
     shapes = entry.get("shapes")
@@ -177,7 +215,7 @@ def lookup_crossover(device):
     good = {k: v for k, v in shapes.items() if isinstance(v, dict) and _is_count(v.get("max_m"))}
     if len(good) != len(shapes):
         warn(f"ignoring malformed crossover entries of {device.name}: {sorted(set(shapes) - set(good))}")
-    return copy.deepcopy(good)
+    return good
 
 
 PIPELINES_KEY = "pipelines"

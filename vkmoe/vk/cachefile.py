@@ -23,9 +23,26 @@ def cache_dir():
     own = knobs.get("VKMOE_CACHE_DIR")
     if own:
         return own
-    import platformdirs  # only when needed: a host given VKMOE_CACHE_DIR does not need the package
+    # Auto mode looks the residency cache up on every MoE call: platformdirs costs ~8 us a lookup, so its answer
+    # is kept per value of the variables it reads (a test or a caller changing them still gets the new place).
+    key = location_key()
+    found = _platform_dirs.get(key)
+    if found is None:
+        import platformdirs  # only when needed: a host given VKMOE_CACHE_DIR does not need the package
 
-    return platformdirs.user_cache_dir("vkmoe", appauthor=False)
+        found = _platform_dirs[key] = platformdirs.user_cache_dir("vkmoe", appauthor=False)
+    return found
+
+
+# What the cache directory depends on: VKMOE_CACHE_DIR, else what platformdirs reads (Linux, macOS, Windows).
+_LOCATION_ENV = ("VKMOE_CACHE_DIR", "XDG_CACHE_HOME", "HOME", "LOCALAPPDATA", "USERPROFILE")
+_platform_dirs = {}
+
+
+def location_key():
+    """The environment that decides cache_dir(): equal keys, same directory (a cheap check for memos)."""
+    env = os.environ
+    return tuple(env.get(v) for v in _LOCATION_ENV)
 
 
 def cache_path(filename):
