@@ -394,7 +394,7 @@ def test_renamed_keys_and_defaults():
 
 def test_hy_v3_layer_types():
     base = {"model_type": "hy_v3", "hidden_size": 256, "moe_intermediate_size": 128, "num_experts": 8,
-            "num_experts_per_tok": 2, "num_hidden_layers": 3, "router_scaling_factor": 2.826}
+            "num_experts_per_tok": 2, "num_hidden_layers": 3}
     c = MoeConfig.from_dict(base)
     assert [c.is_moe_layer(i) for i in range(3)] == [False, True, True]  # first_k_dense_replace defaults to 1
     assert (c.routed_scaling_factor, c.shared_intermediate_size, c.norm_topk_prob) == (2.826, 128, True)
@@ -404,6 +404,19 @@ def test_hy_v3_layer_types():
         MoeConfig.from_dict(dict(base, mlp_layer_types=["sparse", "moe", "dense"]))
     with pytest.raises(CheckpointError, match="mlp_layer_types=.*num_hidden_layers=3"):
         MoeConfig.from_dict(dict(base, mlp_layer_types=["sparse"]))
+
+
+def test_stacked_gate_up_source_layout_refused_by_name(tmp_path):
+    from safetensors.numpy import load_file, save_file
+    d = write_checkpoint(str(tmp_path / "g"), arch="gemma4", hidden=128, intermediate=128, experts=2, top_k=1)
+    path = os.path.join(d, "model.safetensors")
+    p = "model.language_model.layers.0.experts"
+    t = {k: v for k, v in load_file(path).items() if not k.startswith(p + ".")}
+    t[p + ".gate_up_proj"] = np.zeros((2, 256, 128), np.float16)  # HF's (E, 2I, H) stack
+    save_file(t, path)
+    with pytest.raises(CheckpointError, match=r"experts\.gate_up_proj is a stacked expert tensor.*experts\.<e>\."
+                                              r"up_proj\.trellis"):
+        SparseMoeBlock.from_checkpoint(d, 0, backend="cpu")
 
 
 def test_step3p7_reads_text_config(ckpts):

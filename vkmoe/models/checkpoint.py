@@ -58,10 +58,10 @@ def checkpoint_config(arch="qwen3_moe", hidden=256, intermediate=128, experts=8,
         cfg.update({"decoder_sparse_step": 1, "mlp_only_layers": []})
     if spec.layer_rule == "pattern":
         cfg["hybrid_override_pattern"] = "E" * layers
-    if spec.layer_rule in ("first_k_dense", "mlp_types"):
+    if spec.layer_rule == "first_k_dense":
         cfg.update({spec.key("first_k_dense_replace"): 0, spec.key("moe_layer_freq"): 1})
-    if spec.layer_rule == "mlp_types":
-        cfg["mlp_layer_types"] = ["sparse"] * layers
+    if spec.layer_rule == "mlp_types":  # Hy3: the per-layer list wins over first_k_dense_replace
+        cfg.update({"first_k_dense_replace": 0, "mlp_layer_types": ["sparse"] * layers})
     if spec.bias_flag:
         cfg[spec.bias_flag] = True
     if spec.shared == "n_shared":

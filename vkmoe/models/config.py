@@ -211,9 +211,9 @@ _DEFAULTS = {
     "qwen3_5_moe": {"norm_topk_prob": True, "shared_expert_intermediate_size": 512},  # exllamav3
     "solar_open": {"norm_topk_prob": True, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,  # exllamav3
                    "routed_scaling_factor": 2.0, "first_k_dense_replace": 0, "moe_layer_freq": 1},
-    # Hy3: defaults as HF's config is read elsewhere (route_norm on, factor 1, layer 0 dense); UNVERIFIED
-    # against exllamav3's hy_v3.py. One shared expert, as exllamav3's MTP layer always builds shared_mlp.
-    "hy_v3": {"route_norm": True, "router_scaling_factor": 1.0, "num_shared_experts": 1, "n_group": 1,
+    # Hy3: HF's HYV3Config (factor 2.826, one shared expert, layer 0 dense when mlp_layer_types is absent);
+    # exllamav3's hy_v3.py was not among the sources read. route_norm: exllamav3's dots router always renormalises.
+    "hy_v3": {"route_norm": True, "router_scaling_factor": 2.826, "num_shared_experts": 1, "n_group": 1,
               "topk_group": 1, "first_k_dense_replace": 1},
     "afmoe": {"route_norm": True, "route_scale": 1.0, "score_func": "sigmoid", "n_group": 1, "topk_group": 1,
               "num_shared_experts": 0, "num_dense_layers": 0, "moe_layer_freq": 1},  # exllamav3

@@ -365,6 +365,10 @@ def load_block_tensors(ckpt: Checkpoint, config: MoeConfig, layer_index: int) ->
     stored = {int(mt.group(1)) for k in src.keys() for mt in [pat.match(k)] if mt}
     extra = sorted(e for e in stored if e >= E)
     ek = spec.experts_key
+    stacked = sorted(k for k in src.keys() if k.startswith(f"{p}.experts.gate_up_proj"))
+    if stacked and not stored:  # exllamav3 quantizes each expert's slice of it under experts.<e>.*
+        raise CheckpointError(f"{path}: {stacked[0]} is a stacked expert tensor, the unquantized Hugging Face "
+                              f"layout; an EXL3 checkpoint holds {p}.experts.<e>.{spec.expert_keys[1]}.trellis etc.")
     if extra:
         raise CheckpointError(f"{path}: {p}.experts.{extra[0]}.* exists but config.json says {ek}={E} "
                               f"(the checkpoint holds {max(stored) + 1} experts in layer {layer_index})")
