@@ -419,6 +419,26 @@ def test_stacked_gate_up_source_layout_refused_by_name(tmp_path):
         SparseMoeBlock.from_checkpoint(d, 0, backend="cpu")
 
 
+def test_bias_flag_turns_the_selection_bias_on_and_off(tmp_path):
+    from vkmoe.models.routing import router_logits
+    d = write_checkpoint(str(tmp_path / "lf"), arch="lfm2_moe", hidden=128, intermediate=128, experts=8, top_k=2)
+    assert SparseMoeBlock.from_checkpoint(d, 0, backend="cpu").e_bias is not None
+    cfg_path = os.path.join(d, "config.json")
+    cfg = json.load(open(cfg_path))
+    json.dump(dict(cfg, use_expert_bias=False), open(cfg_path, "w"))
+    block = SparseMoeBlock.from_checkpoint(d, 0, backend="cpu")
+    assert block.e_bias is None  # stored, but the config says the model does not use it (exllamav3 too)
+    hidden = _inputs(block, 6)[0][:, :128].copy()
+    ids, _ = block.route(hidden)
+    logits = router_logits(hidden.astype(np.float64), block.router_weight.astype(np.float64), np.float64)
+    assert np.array_equal(np.sort(ids, -1), np.sort(np.argsort(-logits, -1)[:, :2], -1))  # raw scores select
+    key = "model.layers.0.mlp.expert_bias"
+    d = write_checkpoint(str(tmp_path / "hy"), arch="hy_v3", hidden=128, intermediate=128, experts=4, top_k=2,
+                         omit=[key])
+    with pytest.raises(MissingTensorError, match=key.replace(".", r"\.") + ".*moe_router_enable_expert_bias=true"):
+        SparseMoeBlock.from_checkpoint(d, 0, backend="cpu")
+
+
 def test_step3p7_reads_text_config(ckpts):
     c = MoeConfig.from_file(ckpts["step3p7"])
     assert (c.arch, c.act_limits_for(0), c.routed_scaling_factor) == ("step3p7", (1.5, 0.75), 3.0)
@@ -483,7 +503,8 @@ def test_nemotron_gated_activation_is_inconsistent():
         MoeConfig.from_dict(dict(checkpoint_config("nemotron_h"), mlp_hidden_act="silu"))
 
 
-@pytest.mark.parametrize("cls", ["GptOssForCausalLM", "Mistral3ForConditionalGeneration", "LlamaForCausalLM"])
+@pytest.mark.parametrize("cls", ["GptOssForCausalLM", "Mistral3ForConditionalGeneration", "LlamaForCausalLM",
+                                 "Qwen3_5MoeForCausalLM"])
 def test_uncovered_architecture_refused_by_name(cls):
     with pytest.raises(CheckpointError, match=f"unsupported architecture.*{cls}"):
         MoeConfig.from_dict({"architectures": [cls], "model_type": "x", "hidden_size": 256})

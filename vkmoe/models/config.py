@@ -61,7 +61,7 @@ class ArchSpec:
     text_model_type: str | None = None  # required text_config.model_type (Mistral 4: the class is shared)
     text_moe_flag: str | None = None    # text_config key that must be true for MoE blocks to exist (Gemma 4)
     asserted: tuple = ()           # (key, the only value exllamav3 accepts), checked where the key is present
-    bias_flag: str | None = None   # config key that says the selection bias exists (written by the generator)
+    bias_flag: str | None = None   # config key that says whether the selection bias exists
 
     def key(self, name: str) -> str:
         """This architecture's config key for the canonical (DeepSeek/Qwen-style) key `name`."""
@@ -307,6 +307,7 @@ class MoeConfig:
     shared_act_limits: tuple = ()      # ... and of the shared expert (swiglu_limits_shared); 0/null = none
     rms_norm_eps: float = 1e-6         # Gemma 4's block norms
     interm_div: float = 0.0            # Laguna: see ArchSpec.interm_div; 0 = none
+    use_bias: bool | None = None       # the architecture's bias_flag: True = required, False = unused, None = if stored
     source: str = "<dict>"
 
     @property
@@ -407,7 +408,8 @@ class MoeConfig:
                 vocab_size=as_int("vocab_size", cfg.get("vocab_size") or 0),
                 hybrid_override_pattern=str(cfg.get("hybrid_override_pattern") or ""),
                 mlp_layer_types=tuple(cfg.get("mlp_layer_types") or ()),
-                rms_norm_eps=float(opt("rms_norm_eps", 1e-6)), interm_div=spec.interm_div, source=source)
+                rms_norm_eps=float(opt("rms_norm_eps", 1e-6)), interm_div=spec.interm_div, source=source,
+                use_bias=None if cfg.get(spec.bias_flag or "") is None else bool(cfg[spec.bias_flag]))
         if spec.layer_rule == "enum":
             enum = need("moe_layers_enum")
             try:

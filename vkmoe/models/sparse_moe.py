@@ -388,13 +388,14 @@ def load_block_tensors(ckpt: Checkpoint, config: MoeConfig, layer_index: int) ->
         out["tid2eid"] = plain(f"{p}.gate.tid2eid", (V, config.top_k), f"hash layer {layer_index} < num_hash_layers="
                                f"{config.num_hash_layers}: vocab_size={V} x num_experts_per_tok={config.top_k}",
                                kind="iu")
-    elif spec.bias_keys:
+    elif spec.bias_keys and (config.use_bias is not False or spec.bias_required):
         found = [k for k in spec.bias_keys if f"{p}.{k}" in src]
         if found:
             out["e_score_correction_bias"] = plain(f"{p}.{found[0]}", (E,), f"{router} selection bias, {ek}={E}")
-        elif spec.bias_required:
+        elif spec.bias_required or config.use_bias:
             raise MissingTensorError(f"{path}: tensor {p}.{spec.bias_keys[0]} not found ({config.arch} "
-                                     f"{router} selection bias, {ek}={E})")
+                                     f"{router} selection bias, {ek}={E}"
+                                     + (f", {spec.bias_flag}=true)" if config.use_bias else ")"))
     shapes = {"gate": (H, I), "up": (H, I), "down": (I, H)}
     for proj, name in zip(_PROJS, spec.expert_keys):
         out[proj] = None if name is None else [
