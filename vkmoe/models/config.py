@@ -107,6 +107,7 @@ SPECS = {s.name: s for s in (
              "moe_intermediate_size", expert_keys=GATELESS_KEYS, shared="moe_shared_expert_intermediate_size",
              shared_keys=GATELESS_KEYS, bias_keys=("gate.e_score_correction_bias",), bias_required=True,
              layer_rule="pattern"),
+    # model_type "step3p5" and Step3p5ForCausalLM: exllamav3's arch string and published configs agree.
     ArchSpec("step3p5", ("Step3p5ForCausalLM",), "dots", "model.layers.{layer}.moe", "moe_num_experts",
              "moe_intermediate_size", shared="share_expert_dim", shared_prefix="model.layers.{layer}.share_expert",
              bias_keys=("router_bias",), bias_required=True, layer_rule="enum",
@@ -169,7 +170,8 @@ SPECS = {s.name: s for s in (
              "moe_intermediate_size", shared="n_shared", layer_rule="first_k_dense", text_config=True,
              model_type="mistral3", text_model_type="mistral4", interm_div=128.0,
              asserted=_NORM_TOPK + (("n_group", 1), ("topk_group", 1), ("routed_scaling_factor", 1.0))),
-    # Step 3.7: Step-3.5's text model under text_config; tensors keep Step-3.5's names.
+    # Step 3.7 (model_type "step3p7"): Step-3.5's text model under text_config (whose model_type is "step3p5");
+    # exllamav3 reads its tensors under Step-3.5's names.
     ArchSpec("step3p7", ("Step3p7ForConditionalGeneration",), "dots", "model.layers.{layer}.moe", "moe_num_experts",
              "moe_intermediate_size", shared="share_expert_dim", shared_prefix="model.layers.{layer}.share_expert",
              bias_flag="use_moe_router_bias", bias_keys=("router_bias",), bias_required=True, layer_rule="enum",
