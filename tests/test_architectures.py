@@ -355,6 +355,25 @@ def test_mistral4_interm_div_and_text_model_type(ckpts):
         MoeConfig.from_dict(dense)
 
 
+def test_mistral4_older_key_style(ckpts, tmp_path):
+    from safetensors.numpy import load_file, save_file
+    src = ckpts["mistral4"]
+    d = str(tmp_path / "old")
+    os.makedirs(d)
+    t = load_file(os.path.join(src, "model.safetensors"))
+    save_file({k.replace("model.language_model.", "language_model.model."): v for k, v in t.items()},
+              os.path.join(d, "model.safetensors"))
+    with open(os.path.join(src, "config.json")) as f, open(os.path.join(d, "config.json"), "w") as g:
+        g.write(f.read())
+    new, old = (SparseMoeBlock.from_checkpoint(x, 0, backend="cpu") for x in (src, d))
+    hidden = _inputs(new, 4)[0]
+    assert old.config.shared_intermediate_size == 128 and np.array_equal(old.reference(hidden), new.reference(hidden))
+    os.remove(os.path.join(d, "model.safetensors"))
+    save_file({"unrelated.weight": np.zeros(2, np.float16)}, os.path.join(d, "model.safetensors"))
+    with pytest.raises(MissingTensorError, match=r"model\.language_model\.layers\.0\.mlp\.gate\.weight"):
+        SparseMoeBlock.from_checkpoint(d, 0, backend="cpu")  # neither style: the current one is named
+
+
 @pytest.mark.parametrize("arch,key,value", [
     ("mistral4", "routed_scaling_factor", 2.0), ("mistral4", "n_group", 4), ("qwen3_5_moe", "norm_topk_prob", False),
     ("ernie4_5_moe", "moe_layer_interval", 2), ("ernie4_5_moe", "moe_gate_act", "sigmoid"),

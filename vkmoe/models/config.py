@@ -62,6 +62,7 @@ class ArchSpec:
     text_moe_flag: str | None = None    # text_config key that must be true for MoE blocks to exist (Gemma 4)
     asserted: tuple = ()           # (key, the only value exllamav3 accepts), checked where the key is present
     bias_flag: str | None = None   # config key that says whether the selection bias exists
+    alt_prefix: str | None = None  # an older HF key style of the same block, used when `prefix` holds no router
 
     def key(self, name: str) -> str:
         """This architecture's config key for the canonical (DeepSeek/Qwen-style) key `name`."""
@@ -71,10 +72,10 @@ class ArchSpec:
     def config_model_type(self) -> str:
         return self.model_type or self.name
 
-    def shared_key_prefix(self, layer: int) -> str:
+    def shared_key_prefix(self, layer: int, block_prefix: str | None = None) -> str:
         if self.shared_prefix:
             return self.shared_prefix.format(layer=layer)
-        return f"{self.prefix.format(layer=layer)}.{self.shared_name}"
+        return f"{block_prefix or self.prefix.format(layer=layer)}.{self.shared_name}"
 
 
 _LM = "model.language_model.layers.{layer}"   # the text model's layers in HF multimodal wrappers
@@ -164,11 +165,12 @@ SPECS = {s.name: s for s in (
              layer_rule="first_k_dense",
              renames=(("first_k_dense_replace", "num_dense_layers"),), asserted=_NORM_TOPK),
     # Mistral Small 4: Mistral3ForConditionalGeneration whose text model is "mistral4" (the class alone also
-    # names dense Mistral 3 models). Tensors in the current HF key style; the older language_model.model.*
-    # style, which exllamav3 also accepts, is not looked for.
+    # names dense Mistral 3 models). Tensors in the current HF key style or, as exllamav3 also accepts, the
+    # older language_model.model.* one.
     ArchSpec("mistral4", ("Mistral3ForConditionalGeneration",), "std", _LM + ".mlp", "n_routed_experts",
              "moe_intermediate_size", shared="n_shared", layer_rule="first_k_dense", text_config=True,
              model_type="mistral3", text_model_type="mistral4", interm_div=128.0,
+             alt_prefix="language_model.model.layers.{layer}.mlp",
              asserted=_NORM_TOPK + (("n_group", 1), ("topk_group", 1), ("routed_scaling_factor", 1.0))),
     # Step 3.7 (model_type "step3p7"): Step-3.5's text model under text_config (whose model_type is "step3p5");
     # exllamav3 reads its tensors under Step-3.5's names.

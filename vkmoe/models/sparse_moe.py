@@ -346,6 +346,9 @@ def load_block_tensors(ckpt: Checkpoint, config: MoeConfig, layer_index: int) ->
                               f"(first_k_dense_replace / mlp_only_layers / sparse step / pattern), not a MoE block")
     E, H, I = config.num_experts, config.hidden_size, config.moe_intermediate_size
     p = spec.prefix.format(layer=layer_index)
+    if spec.alt_prefix and f"{p}.{spec.router_key}" not in ckpt:  # an older key style of the same tensors
+        alt = spec.alt_prefix.format(layer=layer_index)
+        p = alt if f"{alt}.{spec.router_key}" in ckpt else p
     src = ckpt.subset(p + ".")
 
     def plain(key, shape, why, kind="f"):
@@ -405,7 +408,7 @@ def load_block_tensors(ckpt: Checkpoint, config: MoeConfig, layer_index: int) ->
     if Is:
         sshape = {"gate": (H, Is), "up": (H, Is), "down": (Is, H)}
         why = f"shared expert, intermediate {Is} from {spec.shared}"
-        sp = spec.shared_key_prefix(layer_index)
+        sp = spec.shared_key_prefix(layer_index, p)
         ssrc = src if sp.startswith(p + ".") else ckpt.subset(sp + ".")
         out["shared"] = {proj: None if name is None else _load_linear(ssrc, f"{sp}.{name}", *sshape[proj], path, why)
                          for proj, name in zip(_PROJS, spec.shared_keys)}
