@@ -37,6 +37,19 @@ ARCHS = {
     "laguna": dict(experts=4, top_k=2, shared_intermediate=128, routed_scaling_factor=2.0),
     # Gemma 4: dense MLP of its own width as the shared expert, per_expert_scale, four extra RMSNorms.
     "gemma4": dict(experts=4, top_k=2, shared_intermediate=256),
+    "qwen3_vl_moe": dict(experts=4, top_k=2),
+    "glm4v_moe": dict(experts=4, top_k=2, shared_experts=1, routed_scaling_factor=2.5),
+    # Qwen3.5: Qwen3-Next's gated shared expert under model.language_model.
+    "qwen3_5_moe": dict(experts=4, top_k=2, shared_intermediate=128),
+    "solar_open": dict(experts=4, top_k=2, shared_experts=1, routed_scaling_factor=2.0),
+    "hy_v3": dict(experts=4, top_k=2, shared_experts=1, routed_scaling_factor=2.826),
+    # AfMoE: group-limited sigmoid routing (two groups, one kept) and one shared expert.
+    "afmoe": dict(experts=8, top_k=2, n_group=2, topk_group=1, shared_experts=1, routed_scaling_factor=1.5),
+    "ernie4_5_moe": dict(experts=4, top_k=2, shared_experts=1),
+    "lfm2_moe": dict(experts=4, top_k=2, routed_scaling_factor=1.0),
+    # Mistral 4: std routing with interm_div 128 and one shared expert.
+    "mistral4": dict(experts=4, top_k=2, shared_experts=1),
+    "step3p7": dict(experts=4, top_k=2, shared_intermediate=128, act_limit=1.5, routed_scaling_factor=3.0),
 }
 BLOCKS = [(arch, layer) for arch, kw in ARCHS.items() for layer in range(kw.get("layers", 1))]
 
@@ -106,7 +119,9 @@ def test_block_vulkan(ckpts, arch, layer, device):
 def test_routers_per_architecture(ckpts):
     want = {"mixtral": "std", "qwen3_moe": "std", "qwen3_next": "std", "deepseek_v3": "dots", "glm4_moe": "dots",
             "dots1": "dots", "minimax_m2": "dots", "nemotron_h": "dots", "step3p5": "dots", "gemma4": "std",
-            "laguna": "dots"}
+            "laguna": "dots", "qwen3_vl_moe": "std", "glm4v_moe": "dots", "qwen3_5_moe": "std", "solar_open": "dots",
+            "hy_v3": "dots", "afmoe": "dots", "ernie4_5_moe": "std", "lfm2_moe": "dots", "mistral4": "std",
+            "step3p7": "dots"}
     for arch, router in want.items():
         assert SparseMoeBlock.from_checkpoint(ckpts[arch], 0, backend="cpu").router == router, arch
     v4 = [SparseMoeBlock.from_checkpoint(ckpts["deepseek_v4"], i, backend="cpu") for i in (0, 1)]
@@ -294,6 +309,162 @@ def test_deepseek_v4_uses_native_names(ckpts):
     assert "layers.0.ffn.gate.bias" not in k
 
 
+# Tensor keys each architecture's block is read from, as exllamav3 names them (one layer-0 sample per role).
+NEW_KEYS = {
+    "qwen3_vl_moe": ["model.language_model.layers.0.mlp.gate.weight",
+                     "model.language_model.layers.0.mlp.experts.3.down_proj.trellis"],
+    "glm4v_moe": ["model.language_model.layers.0.mlp.gate.e_score_correction_bias",
+                  "model.language_model.layers.0.mlp.shared_experts.up_proj.trellis"],
+    "qwen3_5_moe": ["model.language_model.layers.0.mlp.shared_expert_gate.weight",
+                    "model.language_model.layers.0.mlp.shared_expert.gate_proj.trellis"],
+    "solar_open": ["model.layers.0.mlp.gate.e_score_correction_bias",
+                   "model.layers.0.mlp.shared_experts.down_proj.suh"],
+    "hy_v3": ["model.layers.0.mlp.router.gate.weight", "model.layers.0.mlp.expert_bias",
+              "model.layers.0.mlp.shared_mlp.down_proj.trellis"],
+    "afmoe": ["model.layers.0.mlp.router.gate.weight", "model.layers.0.mlp.expert_bias",
+              "model.layers.0.mlp.shared_experts.gate_proj.trellis"],
+    "ernie4_5_moe": ["model.layers.0.mlp.gate.weight", "model.layers.0.mlp.shared_experts.up_proj.trellis"],
+    "lfm2_moe": ["model.layers.0.feed_forward.gate.weight", "model.layers.0.feed_forward.expert_bias",
+                 "model.layers.0.feed_forward.experts.0.w1.trellis"],
+    "mistral4": ["model.language_model.layers.0.mlp.gate.weight",
+                 "model.language_model.layers.0.mlp.shared_experts.down_proj.trellis"],
+    "step3p7": ["model.layers.0.moe.router_bias", "model.layers.0.share_expert.gate_proj.trellis"],
+}
+
+
+@pytest.mark.parametrize("arch", sorted(NEW_KEYS))
+def test_tensor_keys_as_exllamav3_names_them(ckpts, arch):
+    from vkmoe.models import Checkpoint
+    keys = set(Checkpoint(ckpts[arch]).keys())
+    assert set(NEW_KEYS[arch]) <= keys, sorted(set(NEW_KEYS[arch]) - keys)
+    block = SparseMoeBlock.from_checkpoint(ckpts[arch], 0, backend="cpu")
+    assert (block.e_bias is not None) == bool(SPECS[arch].bias_keys)
+    assert block.config.shared_intermediate_size == (0 if arch in ("qwen3_vl_moe", "lfm2_moe") else 128)
+    assert (block.shared is not None) == bool(block.config.shared_intermediate_size)
+
+
+def test_mistral4_interm_div_and_text_model_type(ckpts):
+    c = MoeConfig.from_file(ckpts["mistral4"])
+    assert (c.interm_div, c.spec.router, c.shared_intermediate_size) == (128.0, "std", 128)
+    cfg = json.load(open(os.path.join(ckpts["mistral4"], "config.json")))
+    assert (cfg["model_type"], cfg["text_config"]["model_type"]) == ("mistral3", "mistral4")
+    # The same class with a dense text model is refused by name, naming the text model_type.
+    dense = dict(cfg, text_config=dict(cfg["text_config"], model_type="ministral3"))
+    with pytest.raises(CheckpointError, match=r"unsupported architecture.*'ministral3'.*only the MoE text model "
+                                              r"text_config.model_type='mistral4'"):
+        MoeConfig.from_dict(dense)
+
+
+def test_mistral4_older_key_style(ckpts, tmp_path):
+    from safetensors.numpy import load_file, save_file
+    src = ckpts["mistral4"]
+    d = str(tmp_path / "old")
+    os.makedirs(d)
+    t = load_file(os.path.join(src, "model.safetensors"))
+    save_file({k.replace("model.language_model.", "language_model.model."): v for k, v in t.items()},
+              os.path.join(d, "model.safetensors"))
+    with open(os.path.join(src, "config.json")) as f, open(os.path.join(d, "config.json"), "w") as g:
+        g.write(f.read())
+    new, old = (SparseMoeBlock.from_checkpoint(x, 0, backend="cpu") for x in (src, d))
+    hidden = _inputs(new, 4)[0]
+    assert old.config.shared_intermediate_size == 128 and np.array_equal(old.reference(hidden), new.reference(hidden))
+    os.remove(os.path.join(d, "model.safetensors"))
+    save_file({"unrelated.weight": np.zeros(2, np.float16)}, os.path.join(d, "model.safetensors"))
+    with pytest.raises(MissingTensorError, match=r"model\.language_model\.layers\.0\.mlp\.gate\.weight"):
+        SparseMoeBlock.from_checkpoint(d, 0, backend="cpu")  # neither style: the current one is named
+
+
+@pytest.mark.parametrize("arch,key,value", [
+    ("mistral4", "routed_scaling_factor", 2.0), ("mistral4", "n_group", 4), ("qwen3_5_moe", "norm_topk_prob", False),
+    ("ernie4_5_moe", "moe_layer_interval", 2), ("ernie4_5_moe", "moe_gate_act", "sigmoid"),
+    ("step3p7", "use_moe_router_bias", False), ("lfm2_moe", "norm_topk_prob", False)])
+def test_values_exllamav3_asserts_are_checked(arch, key, value):
+    cfg = checkpoint_config(arch)
+    (cfg["text_config"] if SPECS[arch].text_config else cfg)[key] = value
+    with pytest.raises(CheckpointError, match=f"{key}={value!r}: {arch} supports only {key}="):
+        MoeConfig.from_dict(cfg)
+
+
+def test_renamed_keys_and_defaults():
+    base = {"hidden_size": 256, "moe_intermediate_size": 128}
+    af = MoeConfig.from_dict(dict(base, model_type="afmoe", num_experts=8, num_experts_per_tok=2, num_dense_layers=2,
+                                  route_scale=2.5, num_shared_experts=2, num_hidden_layers=4))
+    assert (af.routed_scaling_factor, af.shared_intermediate_size, af.first_k_dense_replace) == (2.5, 256, 2)
+    assert [af.is_moe_layer(i) for i in range(4)] == [False, False, True, True]
+    assert MoeConfig.from_dict(dict(base, model_type="afmoe", num_experts=8,
+                                    num_experts_per_tok=2)).shared_intermediate_size == 0
+    with pytest.raises(CheckpointError, match="score_func='softmax'; afmoe supports 'sigmoid'"):
+        MoeConfig.from_dict(dict(base, model_type="afmoe", num_experts=8, num_experts_per_tok=2, score_func="softmax"))
+    er = MoeConfig.from_dict(dict(base, model_type="ernie4_5_moe", moe_num_experts=8, moe_k=2,
+                                  moe_num_shared_experts=2, moe_layer_start_index=1, num_hidden_layers=3))
+    assert (er.top_k, er.shared_intermediate_size, [er.is_moe_layer(i) for i in range(3)]) == (2, 256,
+                                                                                              [False, True, True])
+    so = MoeConfig.from_dict(dict(base, model_type="solar_open", n_routed_experts=8, num_experts_per_tok=2))
+    gv = MoeConfig.from_dict({"model_type": "glm4v_moe", "text_config": dict(base, n_routed_experts=8,
+                                                                              num_experts_per_tok=2)})
+    assert (so.routed_scaling_factor, so.first_k_dense_replace) == (2.0, 0)
+    assert (gv.routed_scaling_factor, gv.first_k_dense_replace, gv.shared_intermediate_size) == (2.5, 3, 128)
+    q35 = MoeConfig.from_dict({"architectures": ["Qwen3_5MoeForConditionalGeneration"],
+                               "text_config": dict(base, num_experts=8, num_experts_per_tok=2)})
+    assert (q35.arch, q35.shared_intermediate_size) == ("qwen3_5_moe", 512)
+    lf = MoeConfig.from_dict(dict(base, model_type="lfm2_moe", num_experts=8, num_experts_per_tok=2))
+    assert (lf.shared_intermediate_size, lf.routed_scaling_factor) == (0, 1.0)
+
+
+def test_hy_v3_layer_types():
+    base = {"model_type": "hy_v3", "hidden_size": 256, "moe_intermediate_size": 128, "num_experts": 8,
+            "num_experts_per_tok": 2, "num_hidden_layers": 3}
+    c = MoeConfig.from_dict(base)
+    assert [c.is_moe_layer(i) for i in range(3)] == [False, True, True]  # first_k_dense_replace defaults to 1
+    assert (c.routed_scaling_factor, c.shared_intermediate_size, c.norm_topk_prob) == (2.826, 128, True)
+    c = MoeConfig.from_dict(dict(base, mlp_layer_types=["sparse", "dense", "sparse"]))
+    assert [c.is_moe_layer(i) for i in range(3)] == [True, False, True]
+    with pytest.raises(CheckpointError, match=r"mlp_layer_types=\['sparse', 'moe', 'dense'\]: expected one"):
+        MoeConfig.from_dict(dict(base, mlp_layer_types=["sparse", "moe", "dense"]))
+    with pytest.raises(CheckpointError, match="mlp_layer_types=.*num_hidden_layers=3"):
+        MoeConfig.from_dict(dict(base, mlp_layer_types=["sparse"]))
+
+
+def test_stacked_gate_up_source_layout_refused_by_name(tmp_path):
+    from safetensors.numpy import load_file, save_file
+    d = write_checkpoint(str(tmp_path / "g"), arch="gemma4", hidden=128, intermediate=128, experts=2, top_k=1)
+    path = os.path.join(d, "model.safetensors")
+    p = "model.language_model.layers.0.experts"
+    t = {k: v for k, v in load_file(path).items() if not k.startswith(p + ".")}
+    t[p + ".gate_up_proj"] = np.zeros((2, 256, 128), np.float16)  # HF's (E, 2I, H) stack
+    save_file(t, path)
+    with pytest.raises(CheckpointError, match=r"experts\.gate_up_proj is a stacked expert tensor.*experts\.<e>\."
+                                              r"up_proj\.trellis"):
+        SparseMoeBlock.from_checkpoint(d, 0, backend="cpu")
+
+
+def test_bias_flag_turns_the_selection_bias_on_and_off(tmp_path):
+    from vkmoe.models.routing import router_logits
+    d = write_checkpoint(str(tmp_path / "lf"), arch="lfm2_moe", hidden=128, intermediate=128, experts=8, top_k=2)
+    assert SparseMoeBlock.from_checkpoint(d, 0, backend="cpu").e_bias is not None
+    cfg_path = os.path.join(d, "config.json")
+    cfg = json.load(open(cfg_path))
+    json.dump(dict(cfg, use_expert_bias=False), open(cfg_path, "w"))
+    block = SparseMoeBlock.from_checkpoint(d, 0, backend="cpu")
+    assert block.e_bias is None  # stored, but the config says the model does not use it (exllamav3 too)
+    hidden = _inputs(block, 6)[0][:, :128].copy()
+    ids, _ = block.route(hidden)
+    logits = router_logits(hidden.astype(np.float64), block.router_weight.astype(np.float64), np.float64)
+    assert np.array_equal(np.sort(ids, -1), np.sort(np.argsort(-logits, -1)[:, :2], -1))  # raw scores select
+    key = "model.layers.0.mlp.expert_bias"
+    d = write_checkpoint(str(tmp_path / "hy"), arch="hy_v3", hidden=128, intermediate=128, experts=4, top_k=2,
+                         omit=[key])
+    with pytest.raises(MissingTensorError, match=key.replace(".", r"\.") + ".*moe_router_enable_expert_bias=true"):
+        SparseMoeBlock.from_checkpoint(d, 0, backend="cpu")
+
+
+def test_step3p7_reads_text_config(ckpts):
+    c = MoeConfig.from_file(ckpts["step3p7"])
+    assert (c.arch, c.act_limits_for(0), c.routed_scaling_factor) == ("step3p7", (1.5, 0.75), 3.0)
+    cfg = json.load(open(os.path.join(ckpts["step3p7"], "config.json")))
+    assert cfg["model_type"] == "step3p7" and "moe_layers_enum" in cfg["text_config"]
+
+
 # ------------------------------------------------------------------------------------------- configs
 @pytest.mark.parametrize("arch", sorted(SPECS))
 def test_config_names_missing_expert_count(arch):
@@ -351,7 +522,8 @@ def test_nemotron_gated_activation_is_inconsistent():
         MoeConfig.from_dict(dict(checkpoint_config("nemotron_h"), mlp_hidden_act="silu"))
 
 
-@pytest.mark.parametrize("cls", ["GptOssForCausalLM", "Mistral3ForConditionalGeneration", "LlamaForCausalLM"])
+@pytest.mark.parametrize("cls", ["GptOssForCausalLM", "Mistral3ForConditionalGeneration", "LlamaForCausalLM",
+                                 "Qwen3_5MoeForCausalLM"])
 def test_uncovered_architecture_refused_by_name(cls):
     with pytest.raises(CheckpointError, match=f"unsupported architecture.*{cls}"):
         MoeConfig.from_dict({"architectures": [cls], "model_type": "x", "hidden_size": 256})
@@ -396,7 +568,8 @@ def test_tool_writes_every_architecture(tmp_path, arch):
                        capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=REPO))
     assert r.returncode == 0, r.stderr
     cfg = json.load(open(os.path.join(out, "config.json")))
-    assert cfg["model_type"] == arch and cfg["architectures"] == list(SPECS[arch].hf_classes[:1])
+    assert cfg["model_type"] == SPECS[arch].config_model_type
+    assert cfg["architectures"] == list(SPECS[arch].hf_classes[:1])
     layers = (cfg["text_config"] if SPECS[arch].text_config else cfg)["num_hidden_layers"]
     block = SparseMoeBlock.from_checkpoint(out, layers - 1, backend="cpu")
     assert block.up[0].bits == 2

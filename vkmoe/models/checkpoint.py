@@ -20,7 +20,6 @@ __all__ = ["Checkpoint", "open_checkpoint", "write_checkpoint", "checkpoint_conf
 
 # ------------------------------------------------------------------------------------------- generator
 _ARCH_CLASS = {s.name: s.hf_classes[0] for s in SPECS.values()}
-_DOTS_KEYS = ("n_group", "topk_group", "first_k_dense_replace", "moe_layer_freq")
 _NATURAL_ACT = {"nemotron_h": "relu2", "gemma4": "gelu_pytorch_tanh"}  # HF act names; silu elsewhere
 
 
@@ -40,7 +39,7 @@ def checkpoint_config(arch="qwen3_moe", hidden=256, intermediate=128, experts=8,
     gateless = spec.expert_keys[0] is None
     cfg = {
         "architectures": [_ARCH_CLASS[arch]],
-        "model_type": arch,
+        "model_type": spec.config_model_type,
         "hidden_size": hidden,
         spec.experts_key: experts,
         spec.intermediate_key: intermediate,
@@ -59,8 +58,14 @@ def checkpoint_config(arch="qwen3_moe", hidden=256, intermediate=128, experts=8,
         cfg.update({"decoder_sparse_step": 1, "mlp_only_layers": []})
     if spec.layer_rule == "pattern":
         cfg["hybrid_override_pattern"] = "E" * layers
+    if spec.layer_rule == "first_k_dense":
+        cfg.update({spec.key("first_k_dense_replace"): 0, spec.key("moe_layer_freq"): 1})
+    if spec.layer_rule == "mlp_types":  # Hy3: the per-layer list wins over first_k_dense_replace
+        cfg.update({"first_k_dense_replace": 0, "mlp_layer_types": ["sparse"] * layers})
+    if spec.bias_flag:
+        cfg[spec.bias_flag] = True
     if spec.shared == "n_shared":
-        cfg["n_shared_experts"] = 1 if shared_experts is None else shared_experts
+        cfg[spec.key("n_shared_experts")] = 1 if shared_experts is None else shared_experts
     elif spec.shared:
         cfg[spec.shared] = intermediate if shared_intermediate is None else shared_intermediate
     if spec.layer_rule == "enum":
@@ -69,21 +74,23 @@ def checkpoint_config(arch="qwen3_moe", hidden=256, intermediate=128, experts=8,
         cfg.update({"moe_layers_enum": ",".join(str(i) for i in range(layers)),
                     "swiglu_limits": [limit] * layers, "swiglu_limits_shared": [limit / 2] * layers})
     if spec.router == "dots":
-        cfg.update({"scoring_func": "sigmoid", "topk_method": "noaux_tc",
-                    spec.key("routed_scaling_factor"): float(routed_scaling_factor)})
-        cfg.update(dict(zip(_DOTS_KEYS, (n_group, topk_group, 0, 1))))
-        if arch == "minimax_m2":
-            cfg["use_routing_bias"] = True
+        cfg.update({spec.key("scoring_func"): "sigmoid", "topk_method": "noaux_tc",
+                    spec.key("routed_scaling_factor"): float(routed_scaling_factor),
+                    "n_group": n_group, "topk_group": topk_group})
     if spec.router == "sqrtsp":
         cfg.update({"scoring_func": "sqrtsoftplus", "topk_method": "noaux_tc",
                     "routed_scaling_factor": float(routed_scaling_factor),
                     "num_hash_layers": min(1, layers - 1) if hash_layers is None else hash_layers,
                     "swiglu_limit": 10.0 if act_limit is None else float(act_limit)})
-    if spec.text_config:  # Gemma 4: the text model's keys nest under text_config
+    if spec.text_config:  # multimodal wrappers: the text model's keys nest under text_config
         outer = ("architectures", "model_type", "torch_dtype", "quantization_config")
         text = {k: v for k, v in cfg.items() if k not in outer}
         cfg = {k: cfg[k] for k in outer}
-        cfg["text_config"] = dict(text, enable_moe_block=True, rms_norm_eps=1e-6)
+        cfg["text_config"] = dict(text, rms_norm_eps=1e-6)
+        if spec.text_model_type:
+            cfg["text_config"]["model_type"] = spec.text_model_type
+        if spec.text_moe_flag:
+            cfg["text_config"][spec.text_moe_flag] = True
     return cfg
 
 

@@ -50,23 +50,36 @@ class ArchSpec:
     shared_gate: bool = False      # Qwen3-Next: sigmoid(x · shared_expert_gate) scales the shared output
     bias_keys: tuple = ()          # selection-bias keys under the prefix, first found wins
     bias_required: bool = False
-    layer_rule: str = "all"        # "all" | "sparse_step" | "first_k_dense" | "pattern" | "enum"
+    layer_rule: str = "all"        # "all" | "sparse_step" | "first_k_dense" | "pattern" | "enum" | "mlp_types"
     renames: tuple = ()            # (canonical HF key, this architecture's key) where they differ
     router_key: str = "gate.weight"
     per_expert_scale_key: str | None = None  # Gemma 4: routing weights x this (E,) vector after renormalising
     norm_keys: tuple = ()          # Gemma 4: (role, key) of the block's RMSNorm weights, roles in NORM_ROLES
     text_config: bool = False      # sizes live in config.json's "text_config" (multimodal wrappers)
-    interm_div: float = 0.0        # Laguna: routed up projections / this, routing weights x this (fp16 guard)
+    interm_div: float = 0.0        # Laguna, Mistral 4: routed ups / this, routing weights x this (fp16 guard)
+    model_type: str = ""           # config.json's model_type where it is not `name` (Mistral 4: "mistral3")
+    text_model_type: str | None = None  # required text_config.model_type (Mistral 4: the class is shared)
+    text_moe_flag: str | None = None    # text_config key that must be true for MoE blocks to exist (Gemma 4)
+    asserted: tuple = ()           # (key, the only value exllamav3 accepts), checked where the key is present
+    bias_flag: str | None = None   # config key that says whether the selection bias exists
+    alt_prefix: str | None = None  # an older HF key style of the same block, used when `prefix` holds no router
 
     def key(self, name: str) -> str:
         """This architecture's config key for the canonical (DeepSeek/Qwen-style) key `name`."""
         return dict(self.renames).get(name, name)
 
-    def shared_key_prefix(self, layer: int) -> str:
+    @property
+    def config_model_type(self) -> str:
+        return self.model_type or self.name
+
+    def shared_key_prefix(self, layer: int, block_prefix: str | None = None) -> str:
         if self.shared_prefix:
             return self.shared_prefix.format(layer=layer)
-        return f"{self.prefix.format(layer=layer)}.{self.shared_name}"
+        return f"{block_prefix or self.prefix.format(layer=layer)}.{self.shared_name}"
 
+
+_LM = "model.language_model.layers.{layer}"   # the text model's layers in HF multimodal wrappers
+_NORM_TOPK = (("norm_topk_prob", True),)        # exllamav3's std/dots paths always renormalise
 
 SPECS = {s.name: s for s in (
     ArchSpec("mixtral", ("MixtralForCausalLM",), "std", "model.layers.{layer}.block_sparse_moe",
@@ -90,11 +103,12 @@ SPECS = {s.name: s for s in (
              bias_required=True, layer_rule="first_k_dense"),
     ArchSpec("minimax_m2", ("MiniMaxM2ForCausalLM",), "dots", "model.layers.{layer}.block_sparse_moe",
              "num_local_experts", "intermediate_size", expert_keys=NATIVE_KEYS,
-             bias_keys=("gate.e_score_correction_bias",), bias_required=True),
+             bias_flag="use_routing_bias", bias_keys=("gate.e_score_correction_bias",), bias_required=True),
     ArchSpec("nemotron_h", ("NemotronHForCausalLM",), "dots", "backbone.layers.{layer}.mixer", "n_routed_experts",
              "moe_intermediate_size", expert_keys=GATELESS_KEYS, shared="moe_shared_expert_intermediate_size",
              shared_keys=GATELESS_KEYS, bias_keys=("gate.e_score_correction_bias",), bias_required=True,
              layer_rule="pattern"),
+    # model_type "step3p5" and Step3p5ForCausalLM: exllamav3's arch string and published configs agree.
     ArchSpec("step3p5", ("Step3p5ForCausalLM",), "dots", "model.layers.{layer}.moe", "moe_num_experts",
              "moe_intermediate_size", shared="share_expert_dim", shared_prefix="model.layers.{layer}.share_expert",
              bias_keys=("router_bias",), bias_required=True, layer_rule="enum",
@@ -111,7 +125,62 @@ SPECS = {s.name: s for s in (
              norm_keys=(("router", "router.scale"), ("routed_in", "pre_feedforward_layernorm_2.weight"),
                         ("routed_out", "post_feedforward_layernorm_2.weight"),
                         ("shared_out", "post_feedforward_layernorm_1.weight")),
-             renames=(("num_experts_per_tok", "top_k_experts"), ("hidden_act", "hidden_activation"))),
+             renames=(("num_experts_per_tok", "top_k_experts"), ("hidden_act", "hidden_activation")),
+             text_moe_flag="enable_moe_block"),
+    # The multimodal wrappers of Qwen3-MoE and GLM-4.5: the same block under model.language_model.
+    ArchSpec("qwen3_vl_moe", ("Qwen3VLMoeForConditionalGeneration",), "std", _LM + ".mlp", "num_experts",
+             "moe_intermediate_size", layer_rule="sparse_step", text_config=True, asserted=_NORM_TOPK),
+    ArchSpec("glm4v_moe", ("Glm4vMoeForConditionalGeneration",), "dots", _LM + ".mlp", "n_routed_experts",
+             "moe_intermediate_size", shared="n_shared", bias_keys=("gate.e_score_correction_bias",),
+             bias_required=True, layer_rule="first_k_dense", text_config=True, asserted=_NORM_TOPK),
+    # Qwen3.5 MoE: Qwen3-Next's block (gated shared expert) in a multimodal wrapper.
+    ArchSpec("qwen3_5_moe", ("Qwen3_5MoeForConditionalGeneration",), "std", _LM + ".mlp", "num_experts",
+             "moe_intermediate_size", shared="shared_expert_intermediate_size", shared_name="shared_expert",
+             shared_gate=True, text_config=True, asserted=_NORM_TOPK),
+    # Solar Open: exllamav3 loads it as GLM-4.5 with two other defaults.
+    ArchSpec("solar_open", ("SolarOpenForCausalLM",), "dots", "model.layers.{layer}.mlp", "n_routed_experts",
+             "moe_intermediate_size", shared="n_shared", bias_keys=("gate.e_score_correction_bias",),
+             bias_required=True, layer_rule="first_k_dense"),
+    # Hy3: router under router.gate, selection bias `expert_bias`, shared MLP `shared_mlp` (exllamav3's MTP
+    # layer and HF's key renames). Its main-model file was not among the sources read: the config keys are HF's.
+    ArchSpec("hy_v3", ("HYV3ForCausalLM",), "dots", "model.layers.{layer}.mlp", "num_experts",
+             "moe_intermediate_size", shared="n_shared", shared_name="shared_mlp", bias_keys=("expert_bias",),
+             bias_flag="moe_router_enable_expert_bias", router_key="router.gate.weight", layer_rule="mlp_types",
+             renames=(("n_shared_experts", "num_shared_experts"), ("routed_scaling_factor", "router_scaling_factor"),
+                      ("norm_topk_prob", "route_norm"))),
+    ArchSpec("afmoe", ("AfmoeForCausalLM",), "dots", "model.layers.{layer}.mlp", "num_experts",
+             "moe_intermediate_size", shared="n_shared", bias_keys=("expert_bias",), router_key="router.gate.weight",
+             layer_rule="first_k_dense",
+             renames=(("n_shared_experts", "num_shared_experts"), ("routed_scaling_factor", "route_scale"),
+                      ("norm_topk_prob", "route_norm"), ("scoring_func", "score_func"),
+                      ("first_k_dense_replace", "num_dense_layers"))),
+    # ERNIE 4.5: exllamav3's std router never reads gate.e_score_correction_bias (HF adds it for selection).
+    ArchSpec("ernie4_5_moe", ("Ernie4_5_MoeForCausalLM",), "std", "model.layers.{layer}.mlp", "moe_num_experts",
+             "moe_intermediate_size", shared="n_shared", layer_rule="first_k_dense",
+             renames=(("num_experts_per_tok", "moe_k"), ("n_shared_experts", "moe_num_shared_experts"),
+                      ("first_k_dense_replace", "moe_layer_start_index"), ("moe_layer_freq", "moe_layer_interval")),
+             asserted=(("moe_layer_interval", 1), ("moe_gate_act", "softmax"))),
+    ArchSpec("lfm2_moe", ("Lfm2MoeForCausalLM",), "dots", "model.layers.{layer}.feed_forward", "num_experts",
+             "moe_intermediate_size", expert_keys=NATIVE_KEYS, bias_flag="use_expert_bias", bias_keys=("expert_bias",),
+             layer_rule="first_k_dense",
+             renames=(("first_k_dense_replace", "num_dense_layers"),), asserted=_NORM_TOPK),
+    # Mistral Small 4: Mistral3ForConditionalGeneration whose text model is "mistral4" (the class alone also
+    # names dense Mistral 3 models). Tensors in the current HF key style or, as exllamav3 also accepts, the
+    # older language_model.model.* one.
+    ArchSpec("mistral4", ("Mistral3ForConditionalGeneration",), "std", _LM + ".mlp", "n_routed_experts",
+             "moe_intermediate_size", shared="n_shared", layer_rule="first_k_dense", text_config=True,
+             model_type="mistral3", text_model_type="mistral4", interm_div=128.0,
+             alt_prefix="language_model.model.layers.{layer}.mlp",
+             asserted=_NORM_TOPK + (("n_group", 1), ("topk_group", 1), ("routed_scaling_factor", 1.0))),
+    # Step 3.7 (model_type "step3p7"): Step-3.5's text model under text_config (whose model_type is "step3p5");
+    # exllamav3 reads its tensors under Step-3.5's names.
+    ArchSpec("step3p7", ("Step3p7ForConditionalGeneration",), "dots", "model.layers.{layer}.moe", "moe_num_experts",
+             "moe_intermediate_size", shared="share_expert_dim", shared_prefix="model.layers.{layer}.share_expert",
+             bias_flag="use_moe_router_bias", bias_keys=("router_bias",), bias_required=True, layer_rule="enum",
+             text_config=True,
+             renames=(("num_experts_per_tok", "moe_top_k"), ("routed_scaling_factor", "moe_router_scaling_factor"),
+                      ("norm_topk_prob", "norm_expert_weight")),
+             asserted=(("norm_expert_weight", True), ("use_moe_router_bias", True))),
 )}
 
 # Gemma 4's extra RMSNorms around its MoE block (all read the residual stream or an output, never `hidden`):
@@ -140,34 +209,72 @@ _DEFAULTS = {
     "laguna": {"norm_topk_prob": True, "moe_routed_scaling_factor": 1.0, "decoder_sparse_step": 1,
                "mlp_only_layers": [0]},  # exllamav3: layer 0 is dense unless the config says otherwise
     "gemma4": {"norm_topk_prob": True, "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6},
+    "qwen3_vl_moe": {"norm_topk_prob": True, "decoder_sparse_step": 1},  # exllamav3 asserts True
+    "glm4v_moe": {"norm_topk_prob": True, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,  # exllamav3
+                  "routed_scaling_factor": 2.5, "first_k_dense_replace": 3, "moe_layer_freq": 1},
+    "qwen3_5_moe": {"norm_topk_prob": True, "shared_expert_intermediate_size": 512},  # exllamav3
+    "solar_open": {"norm_topk_prob": True, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,  # exllamav3
+                   "routed_scaling_factor": 2.0, "first_k_dense_replace": 0, "moe_layer_freq": 1},
+    # Hy3: HF's HYV3Config (factor 2.826, one shared expert, layer 0 dense when mlp_layer_types is absent);
+    # exllamav3's hy_v3.py was not among the sources read. route_norm: exllamav3's dots router always renormalises.
+    "hy_v3": {"route_norm": True, "router_scaling_factor": 2.826, "num_shared_experts": 1, "n_group": 1,
+              "topk_group": 1, "first_k_dense_replace": 1},
+    "afmoe": {"route_norm": True, "route_scale": 1.0, "score_func": "sigmoid", "n_group": 1, "topk_group": 1,
+              "num_shared_experts": 0, "num_dense_layers": 0, "moe_layer_freq": 1},  # exllamav3
+    "ernie4_5_moe": {"norm_topk_prob": True, "moe_num_shared_experts": 0, "moe_layer_start_index": 0,
+                     "moe_layer_interval": 1},  # exllamav3
+    "lfm2_moe": {"norm_topk_prob": True, "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1,
+                 "num_dense_layers": 0, "moe_layer_freq": 1},  # exllamav3
+    "mistral4": {"norm_topk_prob": True, "n_shared_experts": 1, "first_k_dense_replace": 0,
+                 "moe_layer_freq": 1},  # exllamav3
+    "step3p7": {"norm_expert_weight": True, "moe_router_scaling_factor": 3.0},  # exllamav3
 }
 
 # HF `architectures` entry -> vkmoe's architecture name.
 ARCHITECTURES = {cls: s.name for s in SPECS.values() for cls in s.hf_classes}
 
 
+def _refuse(cfg: dict, source: str, why: str = ""):
+    text = cfg.get("text_config")
+    inner = f", text_config.model_type={text.get('model_type')!r}" if isinstance(text, dict) else ""
+    raise CheckpointError(
+        f"{source}: unsupported architecture (model_type={cfg.get('model_type')!r}{inner}, "
+        f"architectures={cfg.get('architectures')!r}){why}; supported: "
+        + ", ".join(f"{s.name} ({', '.join(s.hf_classes)})" for s in SPECS.values()))
+
+
+def _find_spec(cfg: dict, source: str) -> ArchSpec:
+    """The row of a config.json dict: by model_type, else by its `architectures` class names."""
+    found = [s for s in SPECS.values() if s.config_model_type == cfg.get("model_type")]
+    found += [SPECS[ARCHITECTURES[a]] for a in cfg.get("architectures") or () if a in ARCHITECTURES]
+    if not found:
+        _refuse(cfg, source)
+    spec = found[0]
+    if spec.text_model_type:
+        text = cfg.get("text_config")
+        if not isinstance(text, dict) or text.get("model_type") != spec.text_model_type:
+            _refuse(cfg, source, f": of {', '.join(spec.hf_classes)} only the MoE text model "
+                                 f"text_config.model_type={spec.text_model_type!r} is covered")
+    return spec
+
+
 def _resolve_architecture(cfg: dict, source: str):
     """(arch, its ArchSpec, its defaults, the config with a text_config merged in) for a config.json dict;
     architectures the block does not cover are refused by name."""
-    arch = cfg.get("model_type")
-    if arch not in SPECS:
-        archs = [ARCHITECTURES[a] for a in cfg.get("architectures") or () if a in ARCHITECTURES]
-        if not archs:
-            raise CheckpointError(
-                f"{source}: unsupported architecture (model_type={cfg.get('model_type')!r}, "
-                f"architectures={cfg.get('architectures')!r}); supported: "
-                + ", ".join(f"{k} ({v})" for k, v in ARCHITECTURES.items()))
-        arch = archs[0]
-    spec, defaults = SPECS[arch], _DEFAULTS[arch]
+    spec = _find_spec(cfg, source)
+    arch, defaults = spec.name, _DEFAULTS[spec.name]
     if spec.text_config:
         text = cfg.get("text_config")
         if not isinstance(text, dict):
             raise CheckpointError(f"{source}: missing 'text_config' (required by {arch}: it holds the sizes)")
-        if not text.get("enable_moe_block", False):
-            raise CheckpointError(f"{source}: text_config.enable_moe_block is not true: this {arch} model has "
+        if spec.text_moe_flag and not text.get(spec.text_moe_flag, False):
+            raise CheckpointError(f"{source}: text_config.{spec.text_moe_flag} is not true: this {arch} model has "
                                   "no MoE blocks")
         cfg = {**cfg, **text}
-
+    for key, want in spec.asserted:
+        if cfg.get(key) is not None and cfg[key] != want:
+            raise CheckpointError(f"{source}: {key}={cfg[key]!r}: {arch} supports only {key}={want!r} "
+                                  "(exllamav3 asserts it)")
     if arch == "nemotron_h" and cfg.get("moe_latent_size"):
         raise CheckpointError(f"{source}: moe_latent_size={cfg['moe_latent_size']}: NemotronH's latent MoE "
                               "(experts behind fc1/fc2_latent_proj) is not supported")
@@ -198,11 +305,13 @@ class MoeConfig:
     num_hash_layers: int = 0           # DeepSeek-V4: layers < this route by token id (tid2eid)
     vocab_size: int = 0                # rows of DeepSeek-V4's tid2eid table
     hybrid_override_pattern: str = ""  # NemotronH: 'E' marks the MoE layers
+    mlp_layer_types: tuple = ()        # Hy3: "dense" / "sparse" per layer; () = first_k_dense_replace decides
     moe_layers: tuple = ()             # Step-3.5: the MoE layers (moe_layers_enum)
     act_limits: tuple = ()             # Step-3.5: per-layer limits of the routed experts (swiglu_limits) ...
     shared_act_limits: tuple = ()      # ... and of the shared expert (swiglu_limits_shared); 0/null = none
     rms_norm_eps: float = 1e-6         # Gemma 4's block norms
     interm_div: float = 0.0            # Laguna: see ArchSpec.interm_div; 0 = none
+    use_bias: bool | None = None       # the architecture's bias_flag: True = required, False = unused, None = if stored
     source: str = "<dict>"
 
     @property
@@ -290,7 +399,7 @@ class MoeConfig:
                 top_k=as_int(spec.key("num_experts_per_tok"), need(spec.key("num_experts_per_tok"))),
                 moe_intermediate_size=I,
                 hidden_act=hidden_act, norm_topk_prob=bool(opt("norm_topk_prob", True)),
-                n_shared_experts=n_shared, scoring_func=cfg.get("scoring_func") or scoring,
+                n_shared_experts=n_shared, scoring_func=cfg.get(spec.key("scoring_func")) or scoring,
                 n_group=as_int("n_group", opt("n_group", 1)), topk_group=as_int("topk_group", opt("topk_group", 1)),
                 routed_scaling_factor=float(opt("routed_scaling_factor", 1.0)),
                 first_k_dense_replace=as_int("first_k_dense_replace", opt("first_k_dense_replace", 0)),
@@ -302,7 +411,9 @@ class MoeConfig:
                 num_hash_layers=as_int("num_hash_layers", opt("num_hash_layers", 0)),
                 vocab_size=as_int("vocab_size", cfg.get("vocab_size") or 0),
                 hybrid_override_pattern=str(cfg.get("hybrid_override_pattern") or ""),
-                rms_norm_eps=float(opt("rms_norm_eps", 1e-6)), interm_div=spec.interm_div, source=source)
+                mlp_layer_types=tuple(cfg.get("mlp_layer_types") or ()),
+                rms_norm_eps=float(opt("rms_norm_eps", 1e-6)), interm_div=spec.interm_div, source=source,
+                use_bias=None if cfg.get(spec.bias_flag or "") is None else bool(cfg[spec.bias_flag]))
         if spec.layer_rule == "enum":
             enum = need("moe_layers_enum")
             try:
@@ -353,7 +464,8 @@ class MoeConfig:
                                   f"1..{spec.experts_key}={self.num_experts}")
         expected = {"std": "softmax", "dots": "sigmoid", "sqrtsp": "sqrtsoftplus"}[spec.router]
         if spec.router != "std" and self.scoring_func not in (expected, "noaux_tc"):
-            raise CheckpointError(f"{src}: scoring_func={self.scoring_func!r}; {self.arch} supports {expected!r}")
+            raise CheckpointError(f"{src}: {spec.key('scoring_func')}={self.scoring_func!r}; {self.arch} supports "
+                                  f"{expected!r}")
         if (self.activation == "relu2") != (spec.expert_keys[0] is None):
             raise CheckpointError(f"{src}: activation {self.hidden_act!r} does not fit {self.arch}, whose experts "
                                   + ("are gateless relu2" if spec.expert_keys[0] is None else "are gated"))
@@ -375,6 +487,10 @@ class MoeConfig:
         for name, lst in (("swiglu_limits", self.act_limits), ("swiglu_limits_shared", self.shared_act_limits)):
             if lst and len(lst) < max(L, max(self.moe_layers, default=-1) + 1):
                 raise CheckpointError(f"{src}: {name} has {len(lst)} entries but num_hidden_layers={L}")
+        if set(self.mlp_layer_types) - {"dense", "sparse"} or (L and self.mlp_layer_types
+                                                               and len(self.mlp_layer_types) != L):
+            raise CheckpointError(f"{src}: mlp_layer_types={list(self.mlp_layer_types)!r}: expected one 'dense' or "
+                                  f"'sparse' per layer (num_hidden_layers={L})")
         if self.hybrid_override_pattern and L and len(self.hybrid_override_pattern) != L:
             raise CheckpointError(f"{src}: hybrid_override_pattern has {len(self.hybrid_override_pattern)} "
                                   f"entries but num_hidden_layers={L}")
@@ -391,4 +507,8 @@ class MoeConfig:
             return layer < len(p) and p[layer] == "E"
         if rule == "enum":
             return layer in self.moe_layers
+        if rule == "mlp_types":
+            if self.mlp_layer_types:
+                return layer < len(self.mlp_layer_types) and self.mlp_layer_types[layer] == "sparse"
+            return layer >= self.first_k_dense_replace
         return True

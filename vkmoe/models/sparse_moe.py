@@ -346,6 +346,9 @@ def load_block_tensors(ckpt: Checkpoint, config: MoeConfig, layer_index: int) ->
                               f"(first_k_dense_replace / mlp_only_layers / sparse step / pattern), not a MoE block")
     E, H, I = config.num_experts, config.hidden_size, config.moe_intermediate_size
     p = spec.prefix.format(layer=layer_index)
+    if spec.alt_prefix and f"{p}.{spec.router_key}" not in ckpt:  # an older key style of the same tensors
+        alt = spec.alt_prefix.format(layer=layer_index)
+        p = alt if f"{alt}.{spec.router_key}" in ckpt else p
     src = ckpt.subset(p + ".")
 
     def plain(key, shape, why, kind="f"):
@@ -365,6 +368,10 @@ def load_block_tensors(ckpt: Checkpoint, config: MoeConfig, layer_index: int) ->
     stored = {int(mt.group(1)) for k in src.keys() for mt in [pat.match(k)] if mt}
     extra = sorted(e for e in stored if e >= E)
     ek = spec.experts_key
+    stacked = sorted(k for k in src.keys() if k.startswith(f"{p}.experts.gate_up_proj"))
+    if stacked and not stored:  # exllamav3 quantizes each expert's slice of it under experts.<e>.*
+        raise CheckpointError(f"{path}: {stacked[0]} is a stacked expert tensor, the unquantized Hugging Face "
+                              f"layout; an EXL3 checkpoint holds {p}.experts.<e>.{spec.expert_keys[1]}.trellis etc.")
     if extra:
         raise CheckpointError(f"{path}: {p}.experts.{extra[0]}.* exists but config.json says {ek}={E} "
                               f"(the checkpoint holds {max(stored) + 1} experts in layer {layer_index})")
@@ -384,13 +391,14 @@ def load_block_tensors(ckpt: Checkpoint, config: MoeConfig, layer_index: int) ->
         out["tid2eid"] = plain(f"{p}.gate.tid2eid", (V, config.top_k), f"hash layer {layer_index} < num_hash_layers="
                                f"{config.num_hash_layers}: vocab_size={V} x num_experts_per_tok={config.top_k}",
                                kind="iu")
-    elif spec.bias_keys:
+    elif spec.bias_keys and (config.use_bias is not False or spec.bias_required):
         found = [k for k in spec.bias_keys if f"{p}.{k}" in src]
         if found:
             out["e_score_correction_bias"] = plain(f"{p}.{found[0]}", (E,), f"{router} selection bias, {ek}={E}")
-        elif spec.bias_required:
+        elif spec.bias_required or config.use_bias:
             raise MissingTensorError(f"{path}: tensor {p}.{spec.bias_keys[0]} not found ({config.arch} "
-                                     f"{router} selection bias, {ek}={E})")
+                                     f"{router} selection bias, {ek}={E}"
+                                     + (f", {spec.bias_flag}=true)" if config.use_bias else ")"))
     shapes = {"gate": (H, I), "up": (H, I), "down": (I, H)}
     for proj, name in zip(_PROJS, spec.expert_keys):
         out[proj] = None if name is None else [
@@ -400,7 +408,7 @@ def load_block_tensors(ckpt: Checkpoint, config: MoeConfig, layer_index: int) ->
     if Is:
         sshape = {"gate": (H, Is), "up": (H, Is), "down": (Is, H)}
         why = f"shared expert, intermediate {Is} from {spec.shared}"
-        sp = spec.shared_key_prefix(layer_index)
+        sp = spec.shared_key_prefix(layer_index, p)
         ssrc = src if sp.startswith(p + ".") else ckpt.subset(sp + ".")
         out["shared"] = {proj: None if name is None else _load_linear(ssrc, f"{sp}.{name}", *sshape[proj], path, why)
                          for proj, name in zip(_PROJS, spec.shared_keys)}
