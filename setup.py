@@ -158,12 +158,18 @@ def _compile_group(sources, out_dir, include_blob, force, verbose):
     return built
 
 
+_SKIP_SAID = set()  # sources whose skip message was printed (one line per shader, not per variant)
+
+
 def _compile_command(src, flags, out, glslc):
     """(argv, environment) compiling src to out with the compiler it asks for; (None, None) when a glslang shader
     has no glslangValidator (said on stderr: that variant is left out). A glslc shader without glslc is an error."""
     if shader_compiler(src) == "glslang":
         found = find_glslang()
         if found is None:
+            if src in _SKIP_SAID:
+                return None, None
+            _SKIP_SAID.add(src)
             print(f"vkmoe: skipping {os.path.relpath(src, HERE)}: it needs glslangValidator 13+ (cooperative "
                   f"matrices), not found; {GLSLANG_HINT}. Its cooperative-matrix variant will not be available.",
                   file=sys.stderr)
