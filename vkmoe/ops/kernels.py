@@ -8,7 +8,7 @@ import weakref
 
 from .. import knobs
 from ..exl3.decode import MUL1_C0, MUL1_C1
-from ..layout import SPEC_F16_FMA_FUSED
+from ..layout import COOP_ROWS_WIDE, SPEC_F16_FMA_FUSED
 from ..vk import Pipeline, PushConstants, VkmoeError
 from ..vk.pipeline import SPV_DIR, load_spirv
 from ..vk.quirks import measure_f16_fma_rounds_once
@@ -56,6 +56,11 @@ def decode_variant(device):
             and device.quirks.get("subgroups_linear")):  # the f16 build shuffles the wrap word between lanes
         return "f16"
     return "idot"
+
+
+def coop_linear_name(device, rows):
+    """The build of exl3_linear_coop.comp for `device` and a tile of `rows` rows (ops.plan.coop_rows)."""
+    return "exl3_linear_coop" + ("_idot" if uses_idot(device) else "") + ("_wide" if rows == COOP_ROWS_WIDE else "")
 
 
 def pipeline(device, shader, push, spec=None, decode=False, binding_count=None):

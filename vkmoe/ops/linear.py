@@ -102,11 +102,13 @@ class Exl3Linear:
     # ---------------------------------------------------------------------------------------------- record
     def _scratch_for(self, m):
         plan = gemm_plan(self.device, m, self.k, self.n)
-        key = (m, plan.splits)
+        key = (m, plan.splits, plan.coop, plan.rows)
         if key not in self._scratch:
             mem = self.device.memory
             xh = mem.allocate(m * self.k * 2)
-            partial = mem.allocate(plan.splits * m * self.n * 4)
+            # the cooperative-matrix GEMM stores whole row tiles: its partials have row_chunks * rows rows
+            rows = plan.row_chunks * plan.rows if plan.coop else m
+            partial = mem.allocate(plan.splits * rows * self.n * 4)
             words = layout.linear_counter_words(plan.row_chunks, self.n)
             counters = mem.allocate(words * 4)
             counters.upload(np.zeros(words, np.uint32))
@@ -133,8 +135,13 @@ class Exl3Linear:
         cmd.dispatch(had, sets[0], layout.had_in_grid(m, self.k), had.push(m=m, k=self.k))
         cmd.barrier()
         spec = {layout.SPEC_LINEAR_K: self.bits, layout.SPEC_LINEAR_CB: layout.CODEBOOKS[self.codebook],
-                layout.SPEC_LINEAR_ROWS: plan.rows, layout.SPEC_LINEAR_HAS_BIAS: self.has_bias}
-        gemm = kernels.pipeline(dev, "exl3_linear", kernels.LinearPush, spec, decode=True)
+                layout.SPEC_LINEAR_HAS_BIAS: self.has_bias}
+        if plan.coop:
+            spec[layout.SPEC_F16_FMA_FUSED] = kernels.f16_fma_fused(dev)
+            gemm = kernels.pipeline(dev, kernels.coop_linear_name(dev, plan.rows), kernels.LinearPush, spec)
+        else:
+            spec[layout.SPEC_LINEAR_ROWS] = plan.rows
+            gemm = kernels.pipeline(dev, "exl3_linear", kernels.LinearPush, spec, decode=True)
         sets.append(gemm.bind(xh, self._trellis, self._svh, self._bias, y_buf, partial, counters))
         cmd.dispatch(gemm, sets[1], layout.linear_grid(plan, self.n),
                      gemm.push(m=m, k=self.k, n=self.n, splits=plan.splits, kt_per_split=plan.kt_per_split))

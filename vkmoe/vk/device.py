@@ -162,6 +162,32 @@ def _select(physical_devices, selector):
 
 
 
+_COMPONENT_TYPES = {getattr(vk, f"VK_COMPONENT_TYPE_{t.upper()}_KHR"): t for t in (
+    "float16", "float32", "float64", "sint8", "sint16", "sint32", "sint64", "uint8", "uint16", "uint32", "uint64")}
+_SCOPES = {vk.VK_SCOPE_DEVICE_KHR: "device", vk.VK_SCOPE_WORKGROUP_KHR: "workgroup",
+           vk.VK_SCOPE_SUBGROUP_KHR: "subgroup", vk.VK_SCOPE_QUEUE_FAMILY_KHR: "queue-family"}
+
+
+def _cooperative_matrix_shapes(instance, physical):
+    """vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR as dicts {M, N, K, A, B, C, result, saturating, scope}
+    (called through the raw entry point: the binding's wrapper leaves the array's sType unset)."""
+    name = "vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR"
+    address = vk.lib.vkGetInstanceProcAddr(instance, name.encode())
+    if address == ffi.NULL:
+        return []
+    fn = ffi.cast("PFN_" + name, address)
+    count = ffi.new("uint32_t*")
+    check(name, fn(physical, count, ffi.NULL))
+    props = ffi.new("VkCooperativeMatrixPropertiesKHR[]", count[0])
+    for i in range(count[0]):
+        props[i].sType = vk.VK_STRUCTURE_TYPE_COOPERATIVE_MATRIX_PROPERTIES_KHR
+    check(name, fn(physical, count, props))
+    return [{"M": p.MSize, "N": p.NSize, "K": p.KSize, "A": _COMPONENT_TYPES.get(p.AType, p.AType),
+             "B": _COMPONENT_TYPES.get(p.BType, p.BType), "C": _COMPONENT_TYPES.get(p.CType, p.CType),
+             "result": _COMPONENT_TYPES.get(p.ResultType, p.ResultType), "saturating": bool(p.saturatingAccumulation),
+             "scope": _SCOPES.get(p.scope, p.scope)} for p in props[0:count[0]]]
+
+
 class _DeviceHold:
     """Device.use(): counts the blocks running driver calls (stateless per block, so one instance serves all)."""
     __slots__ = ("_device",)
@@ -325,8 +351,23 @@ class Device:
             "subgroupSizeControl": bool(f13 and f13.subgroupSizeControl),
             "computeFullSubgroups": bool(f13 and f13.computeFullSubgroups),
             "shaderIntegerDotProduct": bool(f13 and f13.shaderIntegerDotProduct),
-            "cooperativeMatrix": "VK_KHR_cooperative_matrix" in self.extensions,
+            "cooperativeMatrix": self._query_cooperative_matrix(),
         }
+
+    def _query_cooperative_matrix(self):
+        """VK_KHR_cooperative_matrix: whether the feature is there (then it is enabled), and the matrix shapes the
+        device multiplies in self.cooperative_matrix_shapes (empty without it)."""
+        self.cooperative_matrix_shapes = []
+        if "VK_KHR_cooperative_matrix" not in self.extensions or self.api_version < vk.VK_MAKE_VERSION(1, 3, 0):
+            return False
+        coop = _new_struct("VkPhysicalDeviceCooperativeMatrixFeaturesKHR",
+                           vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_KHR)
+        f2 = _new_struct("VkPhysicalDeviceFeatures2", vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2, coop)
+        vk.vkGetPhysicalDeviceFeatures2(self.physical, f2)
+        if not coop.cooperativeMatrix:
+            return False
+        self.cooperative_matrix_shapes = _cooperative_matrix_shapes(self.instance.handle, self.physical)
+        return True
 
     def _check_subgroup_ops(self, subgroup):
         """Subgroup operations every vkmoe kernel uses (Vulkan 1.1 reports them for the compute stage): what is
@@ -370,7 +411,14 @@ class Device:
         f12.hostQueryReset = f["hostQueryReset"]
         f11 = _new_struct("VkPhysicalDeviceVulkan11Features", vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_FEATURES, f12)
         f11.storageBuffer16BitAccess = f["storageBuffer16BitAccess"]
-        f2 = _new_struct("VkPhysicalDeviceFeatures2", vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2, f11)
+        extensions = []
+        if f["cooperativeMatrix"]:
+            coop = _new_struct("VkPhysicalDeviceCooperativeMatrixFeaturesKHR",
+                               vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_KHR, f11)
+            coop.cooperativeMatrix = 1
+            extensions.append("VK_KHR_cooperative_matrix")
+        f2 = _new_struct("VkPhysicalDeviceFeatures2", vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2,
+                         coop if extensions else f11)
         f2.features.shaderInt16 = f["shaderInt16"]
         f2.features.shaderInt64 = f["shaderInt64"]
         priorities = ffi.new("float[1]", [1.0])
@@ -384,6 +432,10 @@ class Device:
         info.pNext = f2
         info.queueCreateInfoCount = 1
         info.pQueueCreateInfos = queue_info
+        names = [ffi.new("char[]", e.encode()) for e in extensions]
+        name_array = ffi.new("char*[]", names)
+        info.enabledExtensionCount = len(names)
+        info.ppEnabledExtensionNames = name_array if names else ffi.NULL
         handle = ffi.new("VkDevice*")
         result = vk.lib.vkCreateDevice(self.physical, info, ffi.NULL, handle)
         check("vkCreateDevice", result)
@@ -439,6 +491,7 @@ class Device:
                 "timestamp_period_ns": L.timestampPeriod,
             },
             "features": dict(self.features),
+            "cooperative_matrix_shapes": list(self.cooperative_matrix_shapes),
             "integer_dot_product_accelerated": self.dot_product_accelerated,
             "validation": self.validation,
             "quirks": dict(self.quirks),

@@ -65,6 +65,18 @@ def measure_f16_fma_rounds_once(device, first, count, c1, c0):
     return bool(np.array_equal(got.astype(np.uint16), exact.astype(np.float16).view(np.uint16)))
 
 
+def cooperative_matrix_error(device, seed=0):
+    """Run coopmat_probe (C = A · B through cooperative matrices) on random fp16 A, B; return max |C - A·B| /
+    max |A·B| (fp32 accumulation: about 1e-7 when right). For devices with VK_KHR_cooperative_matrix only."""
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((16, 32)).astype(np.float16)
+    b = rng.standard_normal((32, 16)).astype(np.float16)
+    words = np.concatenate([a.reshape(-1).view(np.uint32), b.reshape(-1).view(np.uint32), np.full(256, 0x7FC00000, np.uint32)])
+    got = _run_probe_shader(device, "coopmat_probe", words, 1)[512:].view(np.float32).reshape(16, 16)
+    want = a.astype(np.float64) @ b.astype(np.float64)
+    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+
+
 def measure_subgroups_linear(device):
     """True when a 256-invocation workgroup's subgroups are laid out linearly over its invocations."""
     return bool(_run_probe_shader(device, "subgroup_layout_probe", np.zeros(256, np.uint32), 1).all())

