@@ -1,0 +1,196 @@
+"""A whole MoE block on one Vulkan device: router, routed experts, shared experts and the sum, recorded into one
+command buffer (vkmoe.models.SparseMoeBlock builds it for the vulkan backend; docs/DESIGN.md, "The device block").
+
+Order of work (each arrow a pipeline barrier):
+    [fp32 hidden -> fp16]  router GEMV -> router select -> routed experts (Exl3MoeMlp.record) -> shared gate
+    GEMV, up, gate (Exl3Linear.record) -> activation -> down -> out += shared (· sigmoid(gate))
+"""
+import threading
+
+import numpy as np
+
+from .. import layout
+from ..vk import CommandRecorder, DeviceClosedError, PushConstants
+from . import kernels
+from .device_array import CallTransfers, DeviceArray, resolve_out
+from .router import RouterGemv, check_tokens
+
+POISON_F32 = 0x7FC00000  # the output is NaN-filled before the block runs: an element it forgets shows up
+
+
+class ElemPush(PushConstants):
+    fields = [("pairs", "<u4"), ("cols", "<u4"), ("mode", "<u4"), ("act", "<u4"), ("limit", "<f4"),
+              ("has_gate", "<u4")]
+
+
+class _Scratch:
+    """The device buffers of one batch size m (all device-local; a caller's recording may use them)."""
+
+    def __init__(self, device, m, H, E, top_k, shared_n):
+        names = ["x16", "logits", "ids", "weights", "gate_logits", "u", "g", "p", "s"]
+        sizes = [m * H * 2, m * E * 4, m * top_k * 4, m * top_k * 4, m * 4, m * shared_n * 2, m * shared_n * 2,
+                 m * shared_n * 2, m * H * 2]
+        self.buffers = device.memory.allocate_all([max(16, n) for n in sizes])
+        for name, buf in zip(names, self.buffers):
+            setattr(self, name, buf)
+
+    def close(self):
+        for b in self.buffers:
+            b.close()
+
+
+class DeviceMoeBlock:
+    """router: a vkmoe.ops.router.DeviceRouter; moe: the Exl3MoeMlp of the routed experts; shared: None or
+    {"up", "down"[, "gate"]} Exl3Linear (gate absent when the activation is gateless); shared_gate_weight: None
+    or (1, H) (sigmoid gate of the shared output); activation / shared_act_limit: the shared expert's."""
+
+    def __init__(self, device, router, moe, top_k, shared=None, shared_gate_weight=None, activation="silu",
+                 shared_act_limit=0.0):
+        self.device, self.router, self.moe, self.top_k = device, router, moe, top_k
+        self.H, self.E = moe.H, router.E
+        self.shared = shared
+        self.shared_n = shared["up"].n if shared else 0
+        self.gate_gemv = RouterGemv(device, shared_gate_weight) if shared_gate_weight is not None else None
+        self.act, self.act_limit = layout.ACTIVATIONS[activation], float(shared_act_limit)
+        self._scratch = {}   # m -> _Scratch
+        self._calls = {}     # (m, hidden dtype) -> (x, tokens, out buffers, recorder, descriptor sets)
+        self._dummy = device.memory.allocate(16)  # the token ids of a router that reads none
+        self._transfers = CallTransfers(device)
+        self._lock = threading.RLock()  # one call at a time: the scratch and io buffers are per block
+        self.last_gpu_ms = None
+
+    # --------------------------------------------------------------------------------------------- record
+    def _scratch_for(self, m):
+        if m not in self._scratch:
+            self._scratch[m] = _Scratch(self.device, m, self.H, self.E, self.top_k, self.shared_n)
+        return self._scratch[m]
+
+    def _elem(self, cmd, mode, bufs, elements, cols=1, has_gate=False):
+        pipe = kernels.pipeline(self.device, "moe_block_elem", ElemPush)
+        dset = pipe.bind(*bufs)
+        pairs = elements // 2
+        cmd.dispatch(pipe, dset, layout.fold_grid(layout.ceil_div(pairs, layout.WORKGROUP_SIZE)),
+                     ElemPush(pairs=pairs, cols=cols, mode=mode, act=self.act, limit=self.act_limit,
+                              has_gate=int(has_gate)))
+        return dset
+
+    def record_buffers(self, cmd, x_buf, x_f32, tokens_buf, out_buf, m):
+        """Append the block for m tokens: x_buf (m, H) fp32 (x_f32) or fp16, tokens_buf (m,) int32 token ids
+        (hash-routed layers; else None), out_buf receives (m, H) fp32. Ends with a barrier. Returns the
+        descriptor sets the commands use (the caller frees them with its recording)."""
+        check_tokens(m)
+        H, s = self.H, None
+        with self._lock:
+            s = self._scratch_for(m)
+        sets, x16 = [], x_buf
+        if x_f32:  # the experts read fp16; the router reads the fp32 hidden itself
+            sets.append(self._elem(cmd, layout.ELEM_TO_F16, (x_buf, x_buf, s.x16), m * H))
+            x16 = s.x16
+        sets += self.router.record(cmd, x_buf, x_f32, tokens_buf or self._dummy, s.logits, s.ids, s.weights, m)
+        self.moe.record(cmd, x16, s.ids, s.weights, out_buf, m, self.top_k)
+        if self.shared:
+            sets += self._record_shared(cmd, x16, out_buf, s, m)
+        return sets
+
+    def _record_shared(self, cmd, x16, out_buf, s, m):
+        sets = []
+        if self.gate_gemv is not None:  # sigmoid gate logits from the fp16 hidden, as the host path
+            sets.append(self.gate_gemv.record(cmd, x16, False, s.gate_logits, m))
+        ops = self.shared
+        ops["up"].record(cmd, x16, s.u, m)
+        if "gate" in ops:
+            ops["gate"].record(cmd, x16, s.g, m)
+        sets.append(self._elem(cmd, layout.ELEM_ACTIVATE, (s.g, s.u, s.p), m * self.shared_n))
+        cmd.barrier()
+        ops["down"].record(cmd, s.p, s.s, m)
+        sets.append(self._elem(cmd, layout.ELEM_ADD_SHARED, (s.s, s.gate_logits, out_buf), m * self.H,
+                               cols=self.H, has_gate=self.gate_gemv is not None))
+        cmd.barrier()
+        return sets
+
+    # ----------------------------------------------------------------------------------------------- call
+    def check_hidden(self, hidden, name="hidden"):
+        """A DeviceArray hidden must be this device's, (m, H), float16 or float32, open."""
+        hidden.check(name, self.device, (None, self.H), hidden.dtype)
+        if hidden.dtype not in (np.float16, np.float32):
+            raise TypeError(f"{name} must be float16 or float32, got a DeviceArray of {hidden.dtype}")
+        return hidden
+
+    def check_tokens_array(self, tokens, m):
+        return tokens.check("input_ids", self.device, (m,), np.int32)
+
+    def record(self, cmd, hidden, out, tokens=None):
+        """DeviceArray form of record_buffers: hidden (m, H) float16/float32, out (m, H) float32, tokens (m,)
+        int32 or None (checked: device, shape, dtype, open)."""
+        self.check_hidden(hidden)
+        m = hidden.shape[0]
+        out.check("out", self.device, (m, self.H), np.float32)
+        if tokens is not None:
+            self.check_tokens_array(tokens, m)
+        if m == 0:
+            return []
+        return self.record_buffers(cmd, hidden.buffer, hidden.dtype == np.float32,
+                                   None if tokens is None else tokens.buffer, out.buffer, m)
+
+    def __call__(self, hidden, tokens=None, out=None):
+        """hidden: (m, H) float16/float32 numpy or DeviceArray; tokens: (m,) int32 numpy or DeviceArray (hash
+        layers) or None; out: None (numpy), "device" or a DeviceArray. ONE submission: inputs, the block and
+        the output's copy are recorded together (CallTransfers)."""
+        if isinstance(hidden, DeviceArray):
+            self.check_hidden(hidden)
+        m = hidden.shape[0]
+        target = resolve_out(out, self.device, (m, self.H), np.float32)
+        if isinstance(tokens, DeviceArray):
+            self.check_tokens_array(tokens, m)
+        if m == 0:
+            return np.zeros((0, self.H), np.float32) if target is None else target
+        with self._lock:
+            xb, tb, ob, rec = self._call_buffers(m, np.dtype(hidden.dtype), tokens is not None)
+            copies_in = []
+            for src, dst in ((hidden, xb), (tokens, tb)):
+                if isinstance(src, DeviceArray):
+                    copies_in.append((src.buffer, dst, src.nbytes))
+                elif src is not None:
+                    dst.upload(np.ascontiguousarray(src))
+            copies_out = [(ob, target.buffer, target.nbytes)] if target is not None else []
+            self._transfers.submit(rec, copies_in, copies_out)
+            self.last_gpu_ms = rec.elapsed_ms()
+            return ob.download(np.float32, (m, self.H)) if target is None else target
+
+    def _call_buffers(self, m, dtype, with_tokens):
+        key = (m, dtype.str, with_tokens)
+        if key not in self._calls:
+            mem = self.device.memory
+            xb, tb, ob = mem.allocate_all([m * self.H * dtype.itemsize, max(16, m * 4), m * self.H * 4],
+                                          kinds=["upload", "upload", "readback"])
+            rec = CommandRecorder(self.device, timestamps=2)
+            rec.begin()
+            rec.fill(ob, POISON_F32)
+            rec.barrier()
+            rec.timestamp()
+            sets = self.record_buffers(rec, xb, dtype == np.float32, tb if with_tokens else None, ob, m)
+            rec.timestamp()
+            rec.host_barrier()
+            rec.end()
+            self._calls[key] = (xb, tb, ob, rec, sets)
+        return self._calls[key][:4]
+
+    def close(self):
+        with self._lock:
+            self._transfers.close()
+            for xb, tb, ob, rec, sets in self._calls.values():
+                try:
+                    rec.close()
+                    for d in sets:
+                        d.free()
+                except DeviceClosedError:
+                    pass
+                for b in (xb, tb, ob):
+                    b.close()
+            self._calls.clear()
+            for s in self._scratch.values():
+                s.close()
+            self._scratch.clear()
+            if self.gate_gemv is not None:
+                self.gate_gemv.close()
+            self._dummy.close()
