@@ -206,3 +206,18 @@ def test_cpu_and_gemma4_blocks_keep_the_host_path(tmp_path, device):
     gemma.close()
     cpu = SparseMoeBlock.from_checkpoint(path, 0, backend="cpu")
     assert cpu.device_block is None and cpu.last_run is None
+
+
+def test_persistent_routed_experts_inside_the_block(blocks, monkeypatch):
+    """VKMOE_DISPATCH=persistent: the routed experts run as the scheduler decides (persistent where the device
+    allows it, its abort word read in the same submission), the block output still matches."""
+    monkeypatch.setenv("VKMOE_DISPATCH", "persistent")
+    block = blocks["qwen3_next", 0]
+    x = _hidden(3, seed=21)
+    want = block.moe.decided_mode(3, block.config.top_k)
+    block(x)
+    before = submission_count()
+    got = block(x)
+    assert submission_count() - before == 1
+    assert block.device_block.last_mode == want
+    assert _rel_rms(got, block.reference(x)) < TOL

@@ -58,6 +58,7 @@ class DeviceMoeBlock:
         self._transfers = CallTransfers(device)
         self._lock = threading.RLock()  # one call at a time: the scratch and io buffers are per block
         self.last_gpu_ms = None
+        self.last_mode = None
 
     # --------------------------------------------------------------------------------------------- record
     def _scratch_for(self, m):
@@ -74,10 +75,11 @@ class DeviceMoeBlock:
                               has_gate=int(has_gate)))
         return dset
 
-    def record_buffers(self, cmd, x_buf, x_f32, tokens_buf, out_buf, m):
+    def record_buffers(self, cmd, x_buf, x_f32, tokens_buf, out_buf, m, mode="split"):
         """Append the block for m tokens: x_buf (m, H) fp32 (x_f32) or fp16, tokens_buf (m,) int32 token ids
         (hash-routed layers; else None), out_buf receives (m, H) fp32. Ends with a barrier. Returns the
-        descriptor sets the commands use (the caller frees them with its recording)."""
+        descriptor sets the commands use (the caller frees them with its recording). mode: the routed experts'
+        (Exl3MoeMlp.record: "persistent" needs `aborted(m)` checked after the submission)."""
         check_tokens(m)
         H, s = self.H, None
         with self._lock:
@@ -87,7 +89,7 @@ class DeviceMoeBlock:
             sets.append(self._elem(cmd, layout.ELEM_TO_F16, (x_buf, x_buf, s.x16), m * H))
             x16 = s.x16
         sets += self.router.record(cmd, x_buf, x_f32, tokens_buf or self._dummy, s.logits, s.ids, s.weights, m)
-        self.moe.record(cmd, x16, s.ids, s.weights, out_buf, m, self.top_k)
+        self.moe.record(cmd, x16, s.ids, s.weights, out_buf, m, self.top_k, mode=mode)
         if self.shared:
             sets += self._record_shared(cmd, x16, out_buf, s, m)
         return sets
@@ -119,7 +121,7 @@ class DeviceMoeBlock:
     def check_tokens_array(self, tokens, m):
         return tokens.check("input_ids", self.device, (m,), np.int32)
 
-    def record(self, cmd, hidden, out, tokens=None):
+    def record(self, cmd, hidden, out, tokens=None, mode="split"):
         """DeviceArray form of record_buffers: hidden (m, H) float16/float32, out (m, H) float32, tokens (m,)
         int32 or None (checked: device, shape, dtype, open)."""
         self.check_hidden(hidden)
@@ -130,7 +132,11 @@ class DeviceMoeBlock:
         if m == 0:
             return []
         return self.record_buffers(cmd, hidden.buffer, hidden.dtype == np.float32,
-                                   None if tokens is None else tokens.buffer, out.buffer, m)
+                                   None if tokens is None else tokens.buffer, out.buffer, m, mode)
+
+    def aborted(self, m):
+        """The abort code of the last persistent routed-expert launch for m tokens (0: none; see Exl3MoeMlp)."""
+        return self.moe.aborted(m, self.top_k)
 
     def __call__(self, hidden, tokens=None, out=None):
         """hidden: (m, H) float16/float32 numpy or DeviceArray; tokens: (m,) int32 numpy or DeviceArray (hash
@@ -145,31 +151,48 @@ class DeviceMoeBlock:
         if m == 0:
             return np.zeros((0, self.H), np.float32) if target is None else target
         with self._lock:
-            xb, tb, ob, rec = self._call_buffers(m, np.dtype(hidden.dtype), tokens is not None)
-            copies_in = []
-            for src, dst in ((hidden, xb), (tokens, tb)):
-                if isinstance(src, DeviceArray):
-                    copies_in.append((src.buffer, dst, src.nbytes))
-                elif src is not None:
-                    dst.upload(np.ascontiguousarray(src))
-            copies_out = [(ob, target.buffer, target.nbytes)] if target is not None else []
-            self._transfers.submit(rec, copies_in, copies_out)
-            self.last_gpu_ms = rec.elapsed_ms()
+            mode = self.moe.decided_mode(m, self.top_k)
+            ob, abort = self._submit(m, hidden, tokens, target, mode)
+            if abort:  # a persistent launch's bounded spin ran out: its output is not valid, re-run split
+                self.moe.reset_after_abort(m, self.top_k)
+                mode = "split"
+                ob, _ = self._submit(m, hidden, tokens, target, mode)
+            self.last_mode = mode
             return ob.download(np.float32, (m, self.H)) if target is None else target
 
-    def _call_buffers(self, m, dtype, with_tokens):
-        key = (m, dtype.str, with_tokens)
+    def _submit(self, m, hidden, tokens, target, mode):
+        """Inputs, the block recorded for this shape and mode, the output's copy: ONE submission, waited for.
+        Returns (the output buffer, the persistent launch's abort code: copied behind the output)."""
+        xb, tb, ob, rec = self._call_buffers(m, np.dtype(hidden.dtype), tokens is not None, mode)
+        copies_in = []
+        for src, dst in ((hidden, xb), (tokens, tb)):
+            if isinstance(src, DeviceArray):
+                copies_in.append((src.buffer, dst, src.nbytes))
+            elif src is not None:
+                dst.upload(np.ascontiguousarray(src))
+        copies_out = [(ob, target.buffer, target.nbytes)] if target is not None else []
+        self._transfers.submit(rec, copies_in, copies_out)
+        self.last_gpu_ms = rec.elapsed_ms()
+        out_bytes = m * self.H * 4
+        abort = int(ob.download(np.uint32, (1,), offset=out_bytes)[0]) if mode == "persistent" else 0
+        return ob, abort
+
+    def _call_buffers(self, m, dtype, with_tokens, mode):
+        key = (m, dtype.str, with_tokens, mode)
         if key not in self._calls:
             mem = self.device.memory
-            xb, tb, ob = mem.allocate_all([m * self.H * dtype.itemsize, max(16, m * 4), m * self.H * 4],
+            xb, tb, ob = mem.allocate_all([m * self.H * dtype.itemsize, max(16, m * 4), m * self.H * 4 + 16],
                                           kinds=["upload", "upload", "readback"])
             rec = CommandRecorder(self.device, timestamps=2)
             rec.begin()
             rec.fill(ob, POISON_F32)
             rec.barrier()
             rec.timestamp()
-            sets = self.record_buffers(rec, xb, dtype == np.float32, tb if with_tokens else None, ob, m)
+            sets = self.record_buffers(rec, xb, dtype == np.float32, tb if with_tokens else None, ob, m, mode)
             rec.timestamp()
+            if mode == "persistent":  # the abort word, read with the output (record_buffers ended with a barrier)
+                rec.copy(self.moe.status_buffer(m, self.top_k), ob, 4, src_offset=layout.SYNC_ABORT * 4,
+                         dst_offset=m * self.H * 4)
             rec.host_barrier()
             rec.end()
             self._calls[key] = (xb, tb, ob, rec, sets)

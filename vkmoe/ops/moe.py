@@ -457,6 +457,20 @@ class Exl3MoeMlp:
             self._record_persistent(cmd, scratch, buffers, pplan)
         return scratch.plan
 
+    def decided_mode(self, m: int, top_k: int, dispatch=None) -> str:
+        """"split" or "persistent": the mode vkmoe.sched picks now for a call of m tokens (for callers that record
+        the forward themselves, e.g. vkmoe.ops.block)."""
+        requested = parse_dispatch(dispatch if dispatch is not None else self._dispatch_arg)
+        with self._call_lock:
+            scratch = self._scratch_for(m, top_k)
+            return decide(self.device, scratch.plan, requested, self.E, self.H, self.I, self.gated,
+                          lambda: self.co_resident(scratch.plan), scratch.persistent_fits).mode
+
+    def status_buffer(self, m: int, top_k: int):
+        """The buffer whose word layout.SYNC_ABORT holds the abort code of the last persistent launch for this
+        shape: a caller copies it behind its output in the same submission (as __call__ does)."""
+        return self._scratch_for(m, top_k).sync
+
     def aborted(self, m: int, top_k: int) -> int:
         """The abort code left by the last persistent launch for this batch shape (0 = none)."""
         return self._scratch_for(m, top_k).abort_code()
