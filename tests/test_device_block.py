@@ -189,23 +189,41 @@ def test_bad_device_inputs(blocks, device, dev):
         hash_block(x, input_ids=np.array([0, 64]))
 
 
-def test_cpu_and_gemma4_blocks_keep_the_host_path(tmp_path, device):
+def test_gemma4_norms_on_the_device(tmp_path, device):
+    """Gemma 4: the router pre-norm, routed-in/out and shared-out RMSNorms run on the device too; the residual
+    goes in as numpy or a DeviceArray (fp16 or fp32), and record() with it equals the call."""
     path = write_checkpoint(str(tmp_path / "g"), arch="gemma4", hidden=H, intermediate=128, experts=4, top_k=2,
                             shared_intermediate=256, seed=3)
     gemma = SparseMoeBlock.from_checkpoint(path, 0, backend="vulkan", device=device)
-    assert gemma.device_block is None
+    assert gemma.device_block is not None and gemma.norms is not None
     x = _hidden(3, seed=2)
     r = (3 * np.random.default_rng(4).standard_normal((3, H))).astype(np.float32)
-    assert _rel_rms(gemma(x, residual=r), gemma.reference(x, residual=r)) < TOL
-    with DeviceArray.from_numpy(device, x) as xd, DeviceArray.empty(device, (3, H), np.float32) as out:
-        with CommandRecorder(device) as rec:
-            rec.begin()
-            with pytest.raises(ValueError, match="Gemma 4's RMSNorms run on the host"):
-                gemma.record(rec, xd, out)
-            rec.end()
+    got = gemma(x, residual=r)
+    assert gemma.last_run["mode"] == "device_block"
+    assert _rel_rms(got, gemma.reference(x, residual=r)) < TOL
+    r16 = r.astype(np.float16)
+    assert _rel_rms(gemma(x, residual=r16), gemma.reference(x, residual=r16)) < TOL
+    with pytest.raises(ValueError, match="residual: gemma4 routes"):
+        gemma(x)
+    with DeviceArray.from_numpy(device, x) as xd, DeviceArray.from_numpy(device, r) as rd, \
+            _poisoned(device, 3) as out, CommandRecorder(device) as rec:
+        assert np.array_equal(gemma(xd, residual=rd), got)
+        rec.begin()
+        with pytest.raises(TypeError, match="residual: expected a vkmoe DeviceArray"):
+            gemma.record(rec, xd, out)
+        gemma.record(rec, xd, out, residual=rd)
+        rec.end()
+        rec.submit(wait=True)
+        assert np.array_equal(out.numpy(), got)
     gemma.close()
+
+
+def test_cpu_block_keeps_the_host_path(tmp_path):
+    path = write_checkpoint(str(tmp_path / "q"), arch="qwen3_moe", hidden=H, intermediate=128, experts=4, top_k=2)
     cpu = SparseMoeBlock.from_checkpoint(path, 0, backend="cpu")
-    assert cpu.device_block is None and cpu.last_run is None
+    assert cpu.device_block is None
+    x = _hidden(3, seed=2)
+    assert _rel_rms(cpu(x), cpu.reference(x)) < TOL and cpu.last_run["mode"] == "cpu"
 
 
 def test_persistent_routed_experts_inside_the_block(blocks, monkeypatch):

@@ -6,9 +6,9 @@
     y = block(hidden, residual=r)         # Gemma 4 (router and routed experts read the residual stream)
 
 Vulkan backend: the whole block on the device, ONE submission per call (vkmoe.ops.block: router shaders, the
-routed experts, shared experts, the sum); `block.record(rec, hidden, out)` appends it to a caller's command buffer.
-CPU backend and Gemma 4: router in numpy (fp32; families in vkmoe.models.routing) -> routed experts through the
-registered `exl3_moe_mlp` (+ shared experts through `exl3_linear`, where the architecture has them). `block.reference(hidden)` is the same block in float64 with
+routed experts, shared experts, Gemma 4's RMSNorms, the sum); `block.record(rec, hidden, out)` appends it to a
+caller's command buffer. CPU backend: router in numpy (fp32; families in vkmoe.models.routing) -> routed experts
+through the registered `exl3_moe_mlp` (+ shared experts through `exl3_linear`, where the architecture has them). `block.reference(hidden)` is the same block in float64 with
 vkmoe.exl3.reference, for tests.
 """
 from __future__ import annotations
@@ -126,12 +126,12 @@ class SparseMoeBlock:
         if shared:
             self.shared_ops = {p: registry.create("exl3_linear", shared[p], backend=self.backend, device=device)
                                for p in _PROJS if shared.get(p) is not None}
-        self.device_block = self._device_block() if self.backend == "vulkan" and self.norms is None else None
+        self.device_block = self._device_block() if self.backend == "vulkan" else None
         self._last_run = None
 
     def _device_block(self):
         """The whole block on the routed-expert op's Vulkan device (vkmoe.ops.block): router, routed and shared
-        experts and the sum in one command buffer. Gemma 4 (norms) keeps the host path (README)."""
+        experts, Gemma 4's RMSNorms and the sum in one command buffer."""
         from ..ops.block import DeviceMoeBlock  # the numpy path and the CPU backend must not need the Vulkan layer
         from ..ops.router import DeviceRouter
 
@@ -142,7 +142,7 @@ class SparseMoeBlock:
                               routed_scaling_factor=c.routed_scaling_factor, op_scale=self.interm_div or 1.0)
         return DeviceMoeBlock(device, router, self.moe, c.top_k, shared=self.shared_ops,
                               shared_gate_weight=self.shared_gate_weight, activation=self.activation,
-                              shared_act_limit=self.shared_act_limit)
+                              shared_act_limit=self.shared_act_limit, norms=self.norms, eps=c.rms_norm_eps)
 
     # -------------------------------------------------------------------------------------- loading
     @classmethod
@@ -226,10 +226,9 @@ class SparseMoeBlock:
         """hidden (m, H) float16/float32 -> (m, H) float32. input_ids: the token ids (hash-routed layers);
         residual: Gemma 4's residual stream. With the vulkan backend hidden (and input_ids) may be DeviceArrays,
         and out "device" (return a new DeviceArray) or a DeviceArray to fill; the whole block runs on the device
-        in ONE submission (vkmoe.ops.block). Gemma 4 (norms) runs its router, norms and shared activation on the
-        host: a DeviceArray hidden is fetched for them."""
+        in ONE submission (vkmoe.ops.block)."""
         if self.device_block is not None:
-            return self._device_call(hidden, input_ids, out)
+            return self._device_call(hidden, input_ids, out, residual)
         x_dev = target = None
         if out is not None or not isinstance(hidden, np.ndarray):
             # Imported only here: the numpy path (and the CPU backend) must not need the Vulkan layer.
@@ -272,7 +271,7 @@ class SparseMoeBlock:
             return target
         return out
 
-    def _device_call(self, hidden, input_ids, out):
+    def _device_call(self, hidden, input_ids, out, residual):
         from ..ops.device_array import DeviceArray
 
         if not isinstance(hidden, DeviceArray):
@@ -280,7 +279,11 @@ class SparseMoeBlock:
             if hidden.dtype == np.float64:
                 hidden = hidden.astype(np.float32)  # the host router's precision
         tokens = self._device_tokens(input_ids, hidden.shape[0])
-        result = self.device_block(hidden, tokens, out)
+        if self.norms is not None and not isinstance(residual, DeviceArray):
+            residual = self._residual(residual, hidden)
+            if residual.dtype not in (np.float16, np.float32):
+                residual = residual.astype(np.float32)  # the host norms' precision
+        result = self.device_block(hidden, tokens, out, residual if self.norms is not None else None)
         self._last_run = {"mode": "device_block", "gpu_ms": self.device_block.last_gpu_ms}
         return result
 
@@ -299,20 +302,21 @@ class SparseMoeBlock:
     def record(self, rec, hidden, out, input_ids=None, residual=None):
         """Append the whole block to a recording vkmoe CommandRecorder: hidden (m, H) float16/float32 and out
         (m, H) float32 DeviceArrays of this block's device, input_ids an (m,) int32 DeviceArray for a hash
-        layer. Ends with a barrier, so the next block may read `out`. Returns the descriptor sets the commands
-        use (free them when the recording is dropped)."""
+        layer, residual an (m, H) float16/float32 DeviceArray for Gemma 4. Ends with a barrier, so the next block
+        may read `out`. Returns the descriptor sets the commands use (free them when the recording is dropped)."""
         from ..ops.device_array import DeviceArray
 
         if self.device_block is None:
-            why = "Gemma 4's RMSNorms run on the host" if self.norms is not None else f"it runs on {self.backend!r}"
-            raise ValueError(f"record() needs the whole block on a Vulkan device; {why}")
-        for name, arr in (("hidden", hidden), ("out", out)):
+            raise ValueError(f"record() needs the whole block on a Vulkan device; it runs on {self.backend!r}")
+        named = [("hidden", hidden), ("out", out)] + ([("residual", residual)] if self.norms is not None else [])
+        for name, arr in named:
             if not isinstance(arr, DeviceArray):
                 raise TypeError(f"{name}: expected a vkmoe DeviceArray, got {type(arr).__name__}")
         if self.router == "sqrtsp_hash" and not isinstance(input_ids, DeviceArray):
             raise TypeError(f"input_ids: layer {self.layer_index} is hash-routed; record() needs the (m,) int32 "
                             f"token ids as a DeviceArray, got {type(input_ids).__name__}")
-        return self.device_block.record(rec, hidden, out, input_ids if self.router == "sqrtsp_hash" else None)
+        return self.device_block.record(rec, hidden, out, input_ids if self.router == "sqrtsp_hash" else None,
+                                        residual=residual if self.norms is not None else None)
 
     def close(self):
         """Free the block's device objects (the routed and shared expert ops included)."""

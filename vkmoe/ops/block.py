@@ -23,13 +23,19 @@ class ElemPush(PushConstants):
               ("has_gate", "<u4")]
 
 
-class _Scratch:
-    """The device buffers of one batch size m (all device-local; a caller's recording may use them)."""
+class NormPush(PushConstants):
+    fields = [("H", "<u4"), ("eps", "<f4"), ("scale", "<f4"), ("x_f32", "<u4"), ("y_f32", "<u4"),
+              ("accumulate", "<u4")]
 
-    def __init__(self, device, m, H, E, top_k, shared_n):
-        names = ["x16", "logits", "ids", "weights", "gate_logits", "u", "g", "p", "s"]
+
+class _Scratch:
+    """The device buffers of one batch size m (all device-local; a caller's recording may use them). z16, e16:
+    Gemma 4's normed router input and routed-expert input."""
+
+    def __init__(self, device, m, H, E, top_k, shared_n, normed):
+        names = ["x16", "logits", "ids", "weights", "gate_logits", "u", "g", "p", "s", "z16", "e16"]
         sizes = [m * H * 2, m * E * 4, m * top_k * 4, m * top_k * 4, m * 4, m * shared_n * 2, m * shared_n * 2,
-                 m * shared_n * 2, m * H * 2]
+                 m * shared_n * 2, m * H * 2, m * H * 2 * normed, m * H * 2 * normed]
         self.buffers = device.memory.allocate_all([max(16, n) for n in sizes])
         for name, buf in zip(names, self.buffers):
             setattr(self, name, buf)
@@ -42,18 +48,25 @@ class _Scratch:
 class DeviceMoeBlock:
     """router: a vkmoe.ops.router.DeviceRouter; moe: the Exl3MoeMlp of the routed experts; shared: None or
     {"up", "down"[, "gate"]} Exl3Linear (gate absent when the activation is gateless); shared_gate_weight: None
-    or (1, H) (sigmoid gate of the shared output); activation / shared_act_limit: the shared expert's."""
+    or (1, H) (sigmoid gate of the shared output); activation / shared_act_limit: the shared expert's; norms:
+    None or {"router", "routed_in", "routed_out", "shared_out": (H,) RMSNorm weight} with `eps` (Gemma 4: the
+    router and the routed experts read the normed residual, which calls then pass)."""
 
     def __init__(self, device, router, moe, top_k, shared=None, shared_gate_weight=None, activation="silu",
-                 shared_act_limit=0.0):
+                 shared_act_limit=0.0, norms=None, eps=1e-6):
         self.device, self.router, self.moe, self.top_k = device, router, moe, top_k
         self.H, self.E = moe.H, router.E
         self.shared = shared
         self.shared_n = shared["up"].n if shared else 0
         self.gate_gemv = RouterGemv(device, shared_gate_weight) if shared_gate_weight is not None else None
         self.act, self.act_limit = layout.ACTIVATIONS[activation], float(shared_act_limit)
+        self.norms, self.eps = None, float(eps)
+        if norms is not None:
+            self.norms = {role: device.memory.allocate(self.H * 4) for role in norms}
+            for role, weight in norms.items():
+                self.norms[role].upload(np.ascontiguousarray(weight, dtype=np.float32))
         self._scratch = {}   # m -> _Scratch
-        self._calls = {}     # (m, hidden dtype) -> (x, tokens, out buffers, recorder, descriptor sets)
+        self._calls = {}     # (m, input dtypes, mode) -> (input buffers, out buffer, recorder, descriptor sets)
         self._dummy = device.memory.allocate(16)  # the token ids of a router that reads none
         self._transfers = CallTransfers(device)
         self._lock = threading.RLock()  # one call at a time: the scratch and io buffers are per block
@@ -63,7 +76,8 @@ class DeviceMoeBlock:
     # --------------------------------------------------------------------------------------------- record
     def _scratch_for(self, m):
         if m not in self._scratch:
-            self._scratch[m] = _Scratch(self.device, m, self.H, self.E, self.top_k, self.shared_n)
+            self._scratch[m] = _Scratch(self.device, m, self.H, self.E, self.top_k, self.shared_n,
+                                        self.norms is not None)
         return self._scratch[m]
 
     def _elem(self, cmd, mode, bufs, elements, cols=1, has_gate=False):
@@ -75,21 +89,38 @@ class DeviceMoeBlock:
                               has_gate=int(has_gate)))
         return dset
 
-    def record_buffers(self, cmd, x_buf, x_f32, tokens_buf, out_buf, m, mode="split"):
+    def _rmsnorm(self, cmd, role, x_buf, x_f32, y_buf, y_f32, m, scale=1.0, accumulate=False):
+        pipe = kernels.pipeline(self.device, "moe_block_rmsnorm", NormPush)
+        dset = pipe.bind(x_buf, self.norms[role], y_buf)
+        cmd.dispatch(pipe, dset, m, NormPush(H=self.H, eps=self.eps, scale=scale, x_f32=int(x_f32),
+                                             y_f32=int(y_f32), accumulate=int(accumulate)))
+        return dset
+
+    def record_buffers(self, cmd, x_buf, x_f32, tokens_buf, out_buf, m, mode="split", residual=None):
         """Append the block for m tokens: x_buf (m, H) fp32 (x_f32) or fp16, tokens_buf (m,) int32 token ids
-        (hash-routed layers; else None), out_buf receives (m, H) fp32. Ends with a barrier. Returns the
-        descriptor sets the commands use (the caller frees them with its recording). mode: the routed experts'
-        (Exl3MoeMlp.record: "persistent" needs `aborted(m)` checked after the submission)."""
+        (hash-routed layers; else None), out_buf receives (m, H) fp32; residual: (buffer, is fp32) of the
+        residual stream (Gemma 4 only). Ends with a barrier. Returns the descriptor sets the commands use (the
+        caller frees them with its recording). mode: the routed experts' (Exl3MoeMlp.record: "persistent" needs
+        `aborted(m)` checked after the submission)."""
         check_tokens(m)
-        H, s = self.H, None
         with self._lock:
             s = self._scratch_for(m)
         sets, x16 = [], x_buf
         if x_f32:  # the experts read fp16; the router reads the fp32 hidden itself
-            sets.append(self._elem(cmd, layout.ELEM_TO_F16, (x_buf, x_buf, s.x16), m * H))
+            sets.append(self._elem(cmd, layout.ELEM_TO_F16, (x_buf, x_buf, s.x16), m * self.H))
             x16 = s.x16
-        sets += self.router.record(cmd, x_buf, x_f32, tokens_buf or self._dummy, s.logits, s.ids, s.weights, m)
-        self.moe.record(cmd, x16, s.ids, s.weights, out_buf, m, self.top_k, mode=mode)
+        router_in, router_f32, experts_in = x_buf, x_f32, x16
+        if self.norms is not None:  # Gemma 4: router and routed experts read the normed residual (fp16)
+            r_buf, r_f32 = residual
+            sets.append(self._rmsnorm(cmd, "router", r_buf, r_f32, s.z16, False, m, scale=self.H ** -0.5))
+            sets.append(self._rmsnorm(cmd, "routed_in", r_buf, r_f32, s.e16, False, m))
+            router_in, router_f32, experts_in = s.z16, False, s.e16
+        sets += self.router.record(cmd, router_in, router_f32, tokens_buf or self._dummy, s.logits, s.ids,
+                                   s.weights, m)
+        self.moe.record(cmd, experts_in, s.ids, s.weights, out_buf, m, self.top_k, mode=mode)
+        if self.norms is not None:
+            sets.append(self._rmsnorm(cmd, "routed_out", out_buf, True, out_buf, True, m))
+            cmd.barrier()
         if self.shared:
             sets += self._record_shared(cmd, x16, out_buf, s, m)
         return sets
@@ -105,8 +136,11 @@ class DeviceMoeBlock:
         sets.append(self._elem(cmd, layout.ELEM_ACTIVATE, (s.g, s.u, s.p), m * self.shared_n))
         cmd.barrier()
         ops["down"].record(cmd, s.p, s.s, m)
-        sets.append(self._elem(cmd, layout.ELEM_ADD_SHARED, (s.s, s.gate_logits, out_buf), m * self.H,
-                               cols=self.H, has_gate=self.gate_gemv is not None))
+        if self.norms is not None:  # out += RMSNorm(shared), in fp32
+            sets.append(self._rmsnorm(cmd, "shared_out", s.s, False, out_buf, True, m, accumulate=True))
+        else:
+            sets.append(self._elem(cmd, layout.ELEM_ADD_SHARED, (s.s, s.gate_logits, out_buf), m * self.H,
+                                   cols=self.H, has_gate=self.gate_gemv is not None))
         cmd.barrier()
         return sets
 
@@ -121,55 +155,71 @@ class DeviceMoeBlock:
     def check_tokens_array(self, tokens, m):
         return tokens.check("input_ids", self.device, (m,), np.int32)
 
-    def record(self, cmd, hidden, out, tokens=None, mode="split"):
+    def record(self, cmd, hidden, out, tokens=None, mode="split", residual=None):
         """DeviceArray form of record_buffers: hidden (m, H) float16/float32, out (m, H) float32, tokens (m,)
-        int32 or None (checked: device, shape, dtype, open)."""
+        int32 or None, residual (m, H) float16/float32 (Gemma 4) or None (checked: device, shape, dtype, open)."""
         self.check_hidden(hidden)
         m = hidden.shape[0]
         out.check("out", self.device, (m, self.H), np.float32)
         if tokens is not None:
             self.check_tokens_array(tokens, m)
+        self._check_residual(residual, m)
         if m == 0:
             return []
         return self.record_buffers(cmd, hidden.buffer, hidden.dtype == np.float32,
-                                   None if tokens is None else tokens.buffer, out.buffer, m, mode)
+                                   None if tokens is None else tokens.buffer, out.buffer, m, mode,
+                                   None if residual is None else (residual.buffer, residual.dtype == np.float32))
+
+    def _check_residual(self, residual, m):
+        if (residual is None) != (self.norms is None):
+            raise ValueError("residual: " + ("this block's router and routed experts read the residual stream; "
+                                             "pass the (m, H) residual" if residual is None else
+                                             "only a block with RMSNorms (Gemma 4) takes one"))
+        if isinstance(residual, DeviceArray):
+            self.check_hidden(residual, "residual")
+            if residual.shape[0] != m:
+                raise ValueError(f"residual must have shape ({m}, {self.H}), got a DeviceArray of shape "
+                                 f"{residual.shape}")
 
     def aborted(self, m):
         """The abort code of the last persistent routed-expert launch for m tokens (0: none; see Exl3MoeMlp)."""
         return self.moe.aborted(m, self.top_k)
 
-    def __call__(self, hidden, tokens=None, out=None):
+    def __call__(self, hidden, tokens=None, out=None, residual=None):
         """hidden: (m, H) float16/float32 numpy or DeviceArray; tokens: (m,) int32 numpy or DeviceArray (hash
-        layers) or None; out: None (numpy), "device" or a DeviceArray. ONE submission: inputs, the block and
-        the output's copy are recorded together (CallTransfers)."""
+        layers) or None; out: None (numpy), "device" or a DeviceArray; residual: like hidden (Gemma 4) or None.
+        ONE submission: inputs, the block and the output's copy are recorded together (CallTransfers)."""
         if isinstance(hidden, DeviceArray):
             self.check_hidden(hidden)
         m = hidden.shape[0]
         target = resolve_out(out, self.device, (m, self.H), np.float32)
         if isinstance(tokens, DeviceArray):
             self.check_tokens_array(tokens, m)
+        self._check_residual(residual, m)
         if m == 0:
             return np.zeros((0, self.H), np.float32) if target is None else target
+        inputs = {"x": hidden, "tokens": tokens, "residual": residual}
         with self._lock:
             mode = self.moe.decided_mode(m, self.top_k)
-            ob, abort = self._submit(m, hidden, tokens, target, mode)
+            ob, abort = self._submit(m, inputs, target, mode)
             if abort:  # a persistent launch's bounded spin ran out: its output is not valid, re-run split
                 self.moe.reset_after_abort(m, self.top_k)
                 mode = "split"
-                ob, _ = self._submit(m, hidden, tokens, target, mode)
+                ob, _ = self._submit(m, inputs, target, mode)
             self.last_mode = mode
             return ob.download(np.float32, (m, self.H)) if target is None else target
 
-    def _submit(self, m, hidden, tokens, target, mode):
+    def _submit(self, m, inputs, target, mode):
         """Inputs, the block recorded for this shape and mode, the output's copy: ONE submission, waited for.
         Returns (the output buffer, the persistent launch's abort code: copied behind the output)."""
-        xb, tb, ob, rec = self._call_buffers(m, np.dtype(hidden.dtype), tokens is not None, mode)
+        dtypes = tuple((name, None if a is None else np.dtype(a.dtype).str) for name, a in inputs.items())
+        bufs, ob, rec = self._call_buffers(m, dtypes, mode)
         copies_in = []
-        for src, dst in ((hidden, xb), (tokens, tb)):
+        for name, src in inputs.items():
             if isinstance(src, DeviceArray):
-                copies_in.append((src.buffer, dst, src.nbytes))
+                copies_in.append((src.buffer, bufs[name], src.nbytes))
             elif src is not None:
-                dst.upload(np.ascontiguousarray(src))
+                bufs[name].upload(np.ascontiguousarray(src))
         copies_out = [(ob, target.buffer, target.nbytes)] if target is not None else []
         self._transfers.submit(rec, copies_in, copies_out)
         self.last_gpu_ms = rec.elapsed_ms()
@@ -177,38 +227,44 @@ class DeviceMoeBlock:
         abort = int(ob.download(np.uint32, (1,), offset=out_bytes)[0]) if mode == "persistent" else 0
         return ob, abort
 
-    def _call_buffers(self, m, dtype, with_tokens, mode):
-        key = (m, dtype.str, with_tokens, mode)
+    def _call_buffers(self, m, dtypes, mode):
+        """({input name: upload buffer}, output buffer, recorder) of (m, the inputs' dtypes, mode), recorded once."""
+        key = (m, dtypes, mode)
         if key not in self._calls:
             mem = self.device.memory
-            xb, tb, ob = mem.allocate_all([m * self.H * dtype.itemsize, max(16, m * 4), m * self.H * 4 + 16],
-                                          kinds=["upload", "upload", "readback"])
+            present = [(name, np.dtype(dt)) for name, dt in dtypes if dt is not None]
+            sizes = [m * (1 if name == "tokens" else self.H) * dt.itemsize for name, dt in present]
+            *ins, ob = mem.allocate_all(sizes + [m * self.H * 4 + 16],
+                                        kinds=["upload"] * len(present) + ["readback"])
+            bufs = {name: buf for (name, _), buf in zip(present, ins)}
+            f32 = {name: dt == np.float32 for name, dt in present}
             rec = CommandRecorder(self.device, timestamps=2)
             rec.begin()
             rec.fill(ob, POISON_F32)
             rec.barrier()
             rec.timestamp()
-            sets = self.record_buffers(rec, xb, dtype == np.float32, tb if with_tokens else None, ob, m, mode)
+            residual = (bufs["residual"], f32["residual"]) if "residual" in bufs else None
+            sets = self.record_buffers(rec, bufs["x"], f32["x"], bufs.get("tokens"), ob, m, mode, residual)
             rec.timestamp()
             if mode == "persistent":  # the abort word, read with the output (record_buffers ended with a barrier)
                 rec.copy(self.moe.status_buffer(m, self.top_k), ob, 4, src_offset=layout.SYNC_ABORT * 4,
                          dst_offset=m * self.H * 4)
             rec.host_barrier()
             rec.end()
-            self._calls[key] = (xb, tb, ob, rec, sets)
-        return self._calls[key][:4]
+            self._calls[key] = (bufs, ob, rec, sets)
+        return self._calls[key][:3]
 
     def close(self):
         with self._lock:
             self._transfers.close()
-            for xb, tb, ob, rec, sets in self._calls.values():
+            for bufs, ob, rec, sets in self._calls.values():
                 try:
                     rec.close()
                     for d in sets:
                         d.free()
                 except DeviceClosedError:
                     pass
-                for b in (xb, tb, ob):
+                for b in (*bufs.values(), ob):
                     b.close()
             self._calls.clear()
             for s in self._scratch.values():
@@ -216,4 +272,6 @@ class DeviceMoeBlock:
             self._scratch.clear()
             if self.gate_gemv is not None:
                 self.gate_gemv.close()
+            for b in (self.norms or {}).values():
+                b.close()
             self._dummy.close()
