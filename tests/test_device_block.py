@@ -239,3 +239,17 @@ def test_persistent_routed_experts_inside_the_block(blocks, monkeypatch):
     assert submission_count() - before == 1
     assert block.device_block.last_mode == want
     assert _rel_rms(got, block.reference(x)) < TOL
+
+
+def test_shape_cache_bounds_the_calls(blocks, monkeypatch):
+    """VKMOE_SHAPE_CACHE=2: a block called with many m keeps two recordings, frees the rest with their scratch
+    (and unpins them in the routed-expert op), and an m that comes back is recorded again with the same result."""
+    monkeypatch.setenv("VKMOE_SHAPE_CACHE", "2")
+    block = blocks["deepseek_v3", 0]
+    dev_block = block.device_block
+    first = block(_hidden(1, seed=30))
+    for m in (2, 3, 5, 6):
+        block(_hidden(m, seed=30 + m))
+    assert len(dev_block._calls) == 2 and 1 not in dev_block._scratch
+    assert (1, block.config.top_k) not in block.moe._pinned
+    assert np.array_equal(block(_hidden(1, seed=30)), first)

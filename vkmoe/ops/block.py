@@ -5,11 +5,12 @@ Order of work (each arrow a pipeline barrier):
     [fp32 hidden -> fp16]  router GEMV -> router select -> routed experts (Exl3MoeMlp.record) -> shared gate
     GEMV, up, gate (Exl3Linear.record) -> activation -> down -> out += shared (· sigmoid(gate))
 """
+from collections import OrderedDict
 import threading
 
 import numpy as np
 
-from .. import layout
+from .. import knobs, layout
 from ..vk import CommandRecorder, DeviceClosedError, PushConstants
 from . import kernels
 from .device_array import CallTransfers, DeviceArray, resolve_out
@@ -45,6 +46,18 @@ class _Scratch:
             b.close()
 
 
+def _close_recording(rec, sets, buffers):
+    try:
+        with rec.device.use():  # a concurrent Device.close() waits for this instead of racing it
+            rec.close()
+            for d in sets:  # the recorder does not free the descriptor sets its commands use
+                d.free()
+    except DeviceClosedError:
+        pass  # the device destroyed them with everything made from it
+    for b in buffers:
+        b.close()
+
+
 class DeviceMoeBlock:
     """router: a vkmoe.ops.router.DeviceRouter; moe: the Exl3MoeMlp of the routed experts; shared: None or
     {"up", "down"[, "gate"]} Exl3Linear (gate absent when the activation is gateless); shared_gate_weight: None
@@ -66,7 +79,10 @@ class DeviceMoeBlock:
             for role, weight in norms.items():
                 self.norms[role].upload(np.ascontiguousarray(weight, dtype=np.float32))
         self._scratch = {}   # m -> _Scratch
-        self._calls = {}     # (m, input dtypes, mode) -> (input buffers, out buffer, recorder, descriptor sets)
+        # (m, input dtypes, mode) -> (input buffers, out buffer, recorder, descriptor sets) of __call__, least
+        # recently used first: at most VKMOE_SHAPE_CACHE; an evicted m's scratch goes unless record() pinned it.
+        self._calls = OrderedDict()
+        self._pinned = set()  # the m of every record() by a caller: its command buffer uses that scratch
         self._dummy = device.memory.allocate(16)  # the token ids of a router that reads none
         self._transfers = CallTransfers(device)
         self._lock = threading.RLock()  # one call at a time: the scratch and io buffers are per block
@@ -96,15 +112,17 @@ class DeviceMoeBlock:
                                              y_f32=int(y_f32), accumulate=int(accumulate)))
         return dset
 
-    def record_buffers(self, cmd, x_buf, x_f32, tokens_buf, out_buf, m, mode="split", residual=None):
+    def record_buffers(self, cmd, x_buf, x_f32, tokens_buf, out_buf, m, mode="split", residual=None, pin=True):
         """Append the block for m tokens: x_buf (m, H) fp32 (x_f32) or fp16, tokens_buf (m,) int32 token ids
         (hash-routed layers; else None), out_buf receives (m, H) fp32; residual: (buffer, is fp32) of the
         residual stream (Gemma 4 only). Ends with a barrier. Returns the descriptor sets the commands use (the
         caller frees them with its recording). mode: the routed experts' (Exl3MoeMlp.record: "persistent" needs
-        `aborted(m)` checked after the submission)."""
+        `aborted(m)` checked after the submission). pin: keep this m's scratch for good (a caller's recording)."""
         check_tokens(m)
         with self._lock:
             s = self._scratch_for(m)
+            if pin:
+                self._pinned.add(m)
         sets, x16 = [], x_buf
         if x_f32:  # the experts read fp16; the router reads the fp32 hidden itself
             sets.append(self._elem(cmd, layout.ELEM_TO_F16, (x_buf, x_buf, s.x16), m * self.H))
@@ -230,7 +248,11 @@ class DeviceMoeBlock:
     def _call_buffers(self, m, dtypes, mode):
         """({input name: upload buffer}, output buffer, recorder) of (m, the inputs' dtypes, mode), recorded once."""
         key = (m, dtypes, mode)
-        if key not in self._calls:
+        if key in self._calls:
+            self._calls.move_to_end(key)
+        else:
+            while len(self._calls) >= knobs.get("VKMOE_SHAPE_CACHE"):
+                self._evict_call(next(iter(self._calls)))
             mem = self.device.memory
             present = [(name, np.dtype(dt)) for name, dt in dtypes if dt is not None]
             sizes = [m * (1 if name == "tokens" else self.H) * dt.itemsize for name, dt in present]
@@ -244,7 +266,8 @@ class DeviceMoeBlock:
             rec.barrier()
             rec.timestamp()
             residual = (bufs["residual"], f32["residual"]) if "residual" in bufs else None
-            sets = self.record_buffers(rec, bufs["x"], f32["x"], bufs.get("tokens"), ob, m, mode, residual)
+            sets = self.record_buffers(rec, bufs["x"], f32["x"], bufs.get("tokens"), ob, m, mode, residual,
+                                       pin=False)
             rec.timestamp()
             if mode == "persistent":  # the abort word, read with the output (record_buffers ended with a barrier)
                 rec.copy(self.moe.status_buffer(m, self.top_k), ob, 4, src_offset=layout.SYNC_ABORT * 4,
@@ -254,18 +277,22 @@ class DeviceMoeBlock:
             self._calls[key] = (bufs, ob, rec, sets)
         return self._calls[key][:3]
 
+    def _evict_call(self, key):
+        """Free one __call__ recording; its m's scratch too when no other recording or record() uses it."""
+        bufs, ob, rec, sets = self._calls.pop(key)
+        _close_recording(rec, sets, (*bufs.values(), ob))
+        m = key[0]
+        if m not in self._pinned and all(k[0] != m for k in self._calls):
+            self._scratch.pop(m).close()
+            self.moe.release_shape(m, self.top_k)
+            for op in (self.shared or {}).values():
+                op.release_shape(m)
+
     def close(self):
         with self._lock:
             self._transfers.close()
             for bufs, ob, rec, sets in self._calls.values():
-                try:
-                    rec.close()
-                    for d in sets:
-                        d.free()
-                except DeviceClosedError:
-                    pass
-                for b in (*bufs.values(), ob):
-                    b.close()
+                _close_recording(rec, sets, (*bufs.values(), ob))
             self._calls.clear()
             for s in self._scratch.values():
                 s.close()

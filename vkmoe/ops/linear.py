@@ -122,6 +122,16 @@ class Exl3Linear:
             self._pinned.add(m)  # the caller's command buffer uses this m's scratch: never evicted
             self._record(cmd, x_buf, y_buf, m)
 
+    def release_shape(self, m: int) -> None:
+        """Unpin an m that record() pinned, once no recording of the caller's uses it: its scratch goes now
+        unless __call__ caches that m too (then it goes with that entry)."""
+        with self._call_lock:
+            self._pinned.discard(m)
+            if m not in self._io:
+                for key in [k for k in self._scratch if k[0] == m]:
+                    for b in self._scratch.pop(key):
+                        b.close()
+
     def _record(self, cmd, x_buf, y_buf, m):
         """record()'s commands; returns the descriptor sets they use."""
         if x_buf.size < m * self.k * 2 or y_buf.size < m * self.n * 2:

@@ -466,6 +466,13 @@ class Exl3MoeMlp:
             return decide(self.device, scratch.plan, requested, self.E, self.H, self.I, self.gated,
                           lambda: self.co_resident(scratch.plan), scratch.persistent_fits).mode
 
+    def release_shape(self, m: int, top_k: int) -> None:
+        """Unpin a shape record() pinned, once no recording of the caller's uses it any more: it becomes an
+        ordinary cached shape, freed when VKMOE_SHAPE_CACHE newer ones push it out."""
+        with self._call_lock:
+            self._pinned.discard((m, top_k))
+            self._evict_shapes(knobs.get("VKMOE_SHAPE_CACHE"))
+
     def status_buffer(self, m: int, top_k: int):
         """The buffer whose word layout.SYNC_ABORT holds the abort code of the last persistent launch for this
         shape: a caller copies it behind its output in the same submission (as __call__ does)."""
