@@ -11,9 +11,9 @@ import threading
 import numpy as np
 
 from .. import knobs, layout
-from ..vk import CommandRecorder, DeviceClosedError, PushConstants
+from ..vk import CommandRecorder, PushConstants
 from . import kernels
-from .device_array import CallTransfers, DeviceArray, resolve_out
+from .device_array import CallTransfers, DeviceArray, close_recording, resolve_out
 from .router import RouterGemv, check_tokens
 
 POISON_F32 = 0x7FC00000  # the output is NaN-filled before the block runs: an element it forgets shows up
@@ -44,18 +44,6 @@ class _Scratch:
     def close(self):
         for b in self.buffers:
             b.close()
-
-
-def _close_recording(rec, sets, buffers):
-    try:
-        with rec.device.use():  # a concurrent Device.close() waits for this instead of racing it
-            rec.close()
-            for d in sets:  # the recorder does not free the descriptor sets its commands use
-                d.free()
-    except DeviceClosedError:
-        pass  # the device destroyed them with everything made from it
-    for b in buffers:
-        b.close()
 
 
 class DeviceMoeBlock:
@@ -280,7 +268,7 @@ class DeviceMoeBlock:
     def _evict_call(self, key):
         """Free one __call__ recording; its m's scratch too when no other recording or record() uses it."""
         bufs, ob, rec, sets = self._calls.pop(key)
-        _close_recording(rec, sets, (*bufs.values(), ob))
+        close_recording(rec, sets, (*bufs.values(), ob))
         m = key[0]
         if m not in self._pinned and all(k[0] != m for k in self._calls):
             self._scratch.pop(m).close()
@@ -292,7 +280,7 @@ class DeviceMoeBlock:
         with self._lock:
             self._transfers.close()
             for bufs, ob, rec, sets in self._calls.values():
-                _close_recording(rec, sets, (*bufs.values(), ob))
+                close_recording(rec, sets, (*bufs.values(), ob))
             self._calls.clear()
             for s in self._scratch.values():
                 s.close()

@@ -10,9 +10,9 @@ import numpy as np
 
 from .. import knobs, layout
 from ..exl3 import Exl3Tensor
-from ..vk import CommandRecorder, DeviceClosedError
+from ..vk import CommandRecorder
 from . import kernels
-from .device_array import CallTransfers, DeviceArray, resolve_out
+from .device_array import CallTransfers, DeviceArray, close_recording, resolve_out
 from .host_arrays import describe, host_array, out_dtype_of
 from .plan import gemm_plan
 
@@ -42,15 +42,7 @@ def _check_x(x, k, device):
 
 
 def _close_call(xb, yb, rec, sets=()):
-    try:
-        with rec.device.use():  # a concurrent Device.close() waits for this instead of racing it
-            rec.close()
-            for d in sets:  # the recorder does not free the descriptor sets its commands use
-                d.free()
-    except DeviceClosedError:
-        pass  # the device destroyed them with everything made from it
-    xb.close()
-    yb.close()
+    close_recording(rec, sets, (xb, yb))
 
 
 def _release_linear(io, sets, scratch, owned):
