@@ -224,33 +224,20 @@ class SparseMoeBlock:
 
     def __call__(self, hidden, input_ids=None, residual=None, out=None):
         """hidden (m, H) float16/float32 -> (m, H) float32. input_ids: the token ids (hash-routed layers);
-        residual: Gemma 4's residual stream. With the vulkan backend hidden (and input_ids) may be DeviceArrays,
-        and out "device" (return a new DeviceArray) or a DeviceArray to fill; the whole block runs on the device
-        in ONE submission (vkmoe.ops.block)."""
+        residual: Gemma 4's residual stream. With the vulkan backend hidden (and input_ids, residual) may be
+        DeviceArrays, and out "device" (return a new DeviceArray) or a DeviceArray to fill; the whole block runs
+        on the device in ONE submission (vkmoe.ops.block). The CPU backend: numpy in and out."""
         if self.device_block is not None:
             return self._device_call(hidden, input_ids, out, residual)
-        x_dev = target = None
-        if out is not None or not isinstance(hidden, np.ndarray):
-            # Imported only here: the numpy path (and the CPU backend) must not need the Vulkan layer.
-            from ..ops.device_array import DeviceArray, resolve_out
-        if not isinstance(hidden, np.ndarray) and isinstance(hidden, DeviceArray):
-            hidden.check("hidden", self._vulkan_device("a DeviceArray hidden"), (None, self.config.hidden_size),
-                         hidden.dtype)
-            x_dev = hidden if hidden.dtype == np.float16 and self.norms is None else None
-            hidden = hidden.numpy()
+        self._refuse_device_arrays(hidden, out)
         h = self._check_hidden(hidden)
         m = h.shape[0]
-        if out is not None:
-            target = resolve_out(out, self._vulkan_device("out"), (m, self.config.hidden_size), np.float32)
         if m == 0:
-            return np.zeros((0, self.config.hidden_size), np.float32) if target is None else target
+            return np.zeros((0, self.config.hidden_size), np.float32)
         ids, wts = self.route(h, input_ids, residual=residual)
         x16 = np.ascontiguousarray(h, dtype=np.float16)
-        experts_in = self._expert_input(h, residual) if x_dev is None else x_dev
-        op_weights = self._op_weights(wts).astype(np.float32)
-        if target is not None and not self.shared_ops and self.norms is None:
-            return self.moe(experts_in, ids, op_weights, out=target)
-        out = np.asarray(self.moe(experts_in, ids, op_weights), dtype=np.float32)
+        out = np.asarray(self.moe(self._expert_input(h, residual), ids, self._op_weights(wts).astype(np.float32)),
+                         dtype=np.float32)
         if self.norms is not None:
             out = self._norm("routed_out", out, np.float32)
         if self.shared_ops:
@@ -266,10 +253,17 @@ class SparseMoeBlock:
             if self.norms is not None:
                 s = self._norm("shared_out", s, np.float32)
             out = out + s
-        if target is not None:
-            target.buffer.upload(out)
-            return target
         return out
+
+    def _refuse_device_arrays(self, hidden, out):
+        """The host path (CPU backend) takes and returns numpy only."""
+        what = "out" if out is not None else None
+        if what is None and not isinstance(hidden, np.ndarray):
+            # Imported only here: the numpy path (and the CPU backend) must not need the Vulkan layer.
+            from ..ops.device_array import DeviceArray
+            what = "a DeviceArray hidden" if isinstance(hidden, DeviceArray) else None
+        if what is not None:
+            raise ValueError(f"{what} needs the vulkan backend; this block runs on {self.backend!r}")
 
     def _device_call(self, hidden, input_ids, out, residual):
         from ..ops.device_array import DeviceArray
@@ -326,13 +320,6 @@ class SparseMoeBlock:
         for op in [self.moe, *(self.shared_ops or {}).values()]:
             if hasattr(op, "close"):
                 op.close()
-
-    def _vulkan_device(self, what):
-        """The device of the routed-expert op, which DeviceArrays must live on."""
-        device = getattr(self.moe, "device", None)
-        if self.backend != "vulkan" or device is None:
-            raise ValueError(f"{what} needs the vulkan backend; this block runs on {self.backend!r}")
-        return device
 
     def _op_weights(self, wts):
         """Routing weights as the routed-expert op takes them (times interm_div where the ups are divided)."""
