@@ -1,9 +1,15 @@
 """A whole MoE block on one Vulkan device: router, routed experts, shared experts and the sum, recorded into one
 command buffer (vkmoe.models.SparseMoeBlock builds it for the vulkan backend; docs/DESIGN.md, "The device block").
 
-Order of work (each arrow a pipeline barrier):
-    [fp32 hidden -> fp16]  router GEMV -> router select -> routed experts (Exl3MoeMlp.record) -> shared gate
-    GEMV, up, gate (Exl3Linear.record) -> activation -> down -> out += shared (· sigmoid(gate))
+Phases (one barrier after each; the dispatches inside a phase are independent), split mode:
+    [fp32 hidden -> fp16 | Gemma 4: router / routed-in RMSNorms]
+    router GEMV, shared gate GEMV, shared up + gate input Hadamards
+    router select, shared up + gate GEMMs
+    routed: routing + stage 1, shared activation
+    routed: gate/up GEMM, shared down input Hadamard
+    routed: down GEMM, shared down GEMM
+    [Gemma 4: routed-out RMSNorm] -> out += shared (· sigmoid(gate)) (Gemma 4: += RMSNorm(shared))
+A persistent routed launch runs alone, after the shared expert's phases.
 """
 from collections import OrderedDict
 import threading
@@ -105,50 +111,67 @@ class DeviceMoeBlock:
         (hash-routed layers; else None), out_buf receives (m, H) fp32; residual: (buffer, is fp32) of the
         residual stream (Gemma 4 only). Ends with a barrier. Returns the descriptor sets the commands use (the
         caller frees them with its recording). mode: the routed experts' (Exl3MoeMlp.record: "persistent" needs
-        `aborted(m)` checked after the submission). pin: keep this m's scratch for good (a caller's recording)."""
+        `aborted(m)` checked after the submission). pin: keep this m's scratch for good (a caller's recording).
+        Independent dispatches share a phase; one barrier closes each phase (docs/DESIGN.md)."""
         check_tokens(m)
         with self._lock:
             s = self._scratch_for(m)
             if pin:
                 self._pinned.add(m)
-        sets, x16 = [], x_buf
+        sets = []
+        for phase in self._phases(x_buf, x_f32, tokens_buf or self._dummy, out_buf, m, mode, residual, s):
+            for step in phase:
+                sets.append(step(cmd))
+            cmd.barrier()
+        return [d for d in sets if d is not None]
+
+    def _phases(self, x_buf, x_f32, tokens_buf, out_buf, m, mode, residual, s):
+        """Lists of steps (function(cmd) -> descriptor set or None); the steps of a phase are independent."""
+        pre, x16 = [], x_buf
         if x_f32:  # the experts read fp16; the router reads the fp32 hidden itself
-            sets.append(self._elem(cmd, layout.ELEM_TO_F16, (x_buf, x_buf, s.x16), m * self.H))
+            pre.append(lambda cmd: self._elem(cmd, layout.ELEM_TO_F16, (x_buf, x_buf, s.x16), m * self.H))
             x16 = s.x16
         router_in, router_f32, experts_in = x_buf, x_f32, x16
         if self.norms is not None:  # Gemma 4: router and routed experts read the normed residual (fp16)
             r_buf, r_f32 = residual
-            sets.append(self._rmsnorm(cmd, "router", r_buf, r_f32, s.z16, False, m, scale=self.H ** -0.5))
-            sets.append(self._rmsnorm(cmd, "routed_in", r_buf, r_f32, s.e16, False, m))
+            pre.append(lambda cmd: self._rmsnorm(cmd, "router", r_buf, r_f32, s.z16, False, m, scale=self.H ** -0.5))
+            pre.append(lambda cmd: self._rmsnorm(cmd, "routed_in", r_buf, r_f32, s.e16, False, m))
             router_in, router_f32, experts_in = s.z16, False, s.e16
-        sets += self.router.record(cmd, router_in, router_f32, tokens_buf or self._dummy, s.logits, s.ids,
-                                   s.weights, m)
-        self.moe.record(cmd, experts_in, s.ids, s.weights, out_buf, m, self.top_k, mode=mode)
+        logits, select = self.router.steps(router_in, router_f32, tokens_buf, s.logits, s.ids, s.weights, m)
+        head, tail = self._shared_phases(x16, s, m) if self.shared else ([[], []], [])
+        if mode == "split":
+            routed = [[st] for st in self.moe.split_stages(experts_in, s.ids, s.weights, out_buf, m, self.top_k)]
+            routed = [r + t for r, t in zip(routed, tail + [[]] * (3 - len(tail)))]
+        else:  # a persistent launch wants the whole device: nothing runs beside it
+            def persistent(cmd):
+                self.moe.record(cmd, experts_in, s.ids, s.weights, out_buf, m, self.top_k, mode=mode)
+            routed = tail + [[persistent]]
+        phases = ([pre] if pre else []) + [[logits] + head[0], [select] + head[1]] + routed
         if self.norms is not None:
-            sets.append(self._rmsnorm(cmd, "routed_out", out_buf, True, out_buf, True, m))
-            cmd.barrier()
+            phases.append([lambda cmd: self._rmsnorm(cmd, "routed_out", out_buf, True, out_buf, True, m)])
         if self.shared:
-            sets += self._record_shared(cmd, x16, out_buf, s, m)
-        return sets
+            phases.append([lambda cmd: self._shared_sum(cmd, s, out_buf, m)])
+        return phases
 
-    def _record_shared(self, cmd, x16, out_buf, s, m):
-        sets = []
-        if self.gate_gemv is not None:  # sigmoid gate logits from the fp16 hidden, as the host path
-            sets.append(self.gate_gemv.record(cmd, x16, False, s.gate_logits, m))
+    def _shared_phases(self, x16, s, m):
+        """The shared expert's steps: ([beside the router GEMV], [beside the router select]) and the three
+        phases that may run beside the routed experts' split dispatches: activation, down's two dispatches."""
         ops = self.shared
-        ops["up"].record(cmd, x16, s.u, m)
-        if "gate" in ops:
-            ops["gate"].record(cmd, x16, s.g, m)
-        sets.append(self._elem(cmd, layout.ELEM_ACTIVATE, (s.g, s.u, s.p), m * self.shared_n))
-        cmd.barrier()
-        ops["down"].record(cmd, s.p, s.s, m)
+        up = ops["up"].stages(x16, s.u, m)
+        gate = ops["gate"].stages(x16, s.g, m) if "gate" in ops else [None, None]
+        first = [up[0]] + ([gate[0]] if gate[0] else [])
+        if self.gate_gemv is not None:  # sigmoid gate logits from the fp16 hidden, as the host path
+            first.append(lambda cmd: self.gate_gemv.record(cmd, x16, False, s.gate_logits, m))
+        second = [up[1]] + ([gate[1]] if gate[1] else [])
+        act = lambda cmd: self._elem(cmd, layout.ELEM_ACTIVATE, (s.g, s.u, s.p), m * self.shared_n)  # noqa: E731
+        down = ops["down"].stages(s.p, s.s, m)
+        return [first, second], [[act], [down[0]], [down[1]]]
+
+    def _shared_sum(self, cmd, s, out_buf, m):
         if self.norms is not None:  # out += RMSNorm(shared), in fp32
-            sets.append(self._rmsnorm(cmd, "shared_out", s.s, False, out_buf, True, m, accumulate=True))
-        else:
-            sets.append(self._elem(cmd, layout.ELEM_ADD_SHARED, (s.s, s.gate_logits, out_buf), m * self.H,
-                                   cols=self.H, has_gate=self.gate_gemv is not None))
-        cmd.barrier()
-        return sets
+            return self._rmsnorm(cmd, "shared_out", s.s, False, out_buf, True, m, accumulate=True)
+        return self._elem(cmd, layout.ELEM_ADD_SHARED, (s.s, s.gate_logits, out_buf), m * self.H, cols=self.H,
+                          has_gate=self.gate_gemv is not None)
 
     # ----------------------------------------------------------------------------------------------- call
     def check_hidden(self, hidden, name="hidden"):

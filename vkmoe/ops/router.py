@@ -123,17 +123,27 @@ class DeviceRouter:
         """Append the router of m tokens: logits into logits_buf ((m, E) fp32 scratch), then int32 ids and fp32
         weights (m, top_k) into ids_buf / weights_buf. tokens_buf: (m,) int32 token ids (hash layers; else any
         buffer). Ends with a barrier. Returns the descriptor sets."""
+        sets = []
+        for step in self.steps(x_buf, x_f32, tokens_buf, logits_buf, ids_buf, weights_buf, m):
+            sets.append(step(cmd))
+            cmd.barrier()
+        return sets
+
+    def steps(self, x_buf, x_f32, tokens_buf, logits_buf, ids_buf, weights_buf, m):
+        """record()'s two dispatches [GEMV, select] as functions(cmd) -> descriptor set, no barriers (the
+        caller puts one after each, and may record independent work beside them)."""
         check_tokens(m)
-        sets = [self.gemv.record(cmd, x_buf, x_f32, logits_buf, m)]
-        cmd.barrier()
         pipe = kernels.pipeline(self.device, "moe_router_select", RouterSelectPush,
                                 {layout.SPEC_ROUTER_FAMILY: ROUTER_FAMILIES[self.family]})
         d = self._dummy
-        sets.append(pipe.bind(logits_buf, self._bias or d, self._scale or d, self._table or d, tokens_buf,
-                              ids_buf, weights_buf))
-        cmd.dispatch(pipe, sets[-1], m, RouterSelectPush(m=m, **self.push_values))
-        cmd.barrier()
-        return sets
+
+        def select(cmd):
+            dset = pipe.bind(logits_buf, self._bias or d, self._scale or d, self._table or d, tokens_buf, ids_buf,
+                             weights_buf)
+            cmd.dispatch(pipe, dset, m, RouterSelectPush(m=m, **self.push_values))
+            return dset
+
+        return [lambda cmd: self.gemv.record(cmd, x_buf, x_f32, logits_buf, m), select]
 
     def __call__(self, hidden, input_ids=None):
         """hidden (m, H) float16 or float32 numpy -> (ids int64 (m, top_k), weights float32 (m, top_k)), one
