@@ -65,7 +65,8 @@ def test_block_on_device_matches_float64(blocks, key, m):
     assert block.device_block is not None
     x, ids = _hidden(m, seed=m + key[1]), _tokens(block, m, seed=m)
     got = block(x, input_ids=ids)
-    assert block.last_run["mode"] == "device_block" and got.dtype == np.float32 and np.isfinite(got).all()
+    assert block.last_run["where"].startswith("device") and block.last_run["mode"] in ("split", "persistent")
+    assert got.dtype == np.float32 and np.isfinite(got).all()
     want = block.reference(x, input_ids=ids)
     assert _rel_rms(got, want) < TOL
     # the device router picked the float64 router's experts (no near ties in random data)
@@ -199,7 +200,7 @@ def test_gemma4_norms_on_the_device(tmp_path, device):
     x = _hidden(3, seed=2)
     r = (3 * np.random.default_rng(4).standard_normal((3, H))).astype(np.float32)
     got = gemma(x, residual=r)
-    assert gemma.last_run["mode"] == "device_block"
+    assert gemma.last_run["where"].startswith("device")
     assert _rel_rms(got, gemma.reference(x, residual=r)) < TOL
     r16 = r.astype(np.float16)
     assert _rel_rms(gemma(x, residual=r16), gemma.reference(x, residual=r16)) < TOL

@@ -278,7 +278,8 @@ class SparseMoeBlock:
             if residual.dtype not in (np.float16, np.float32):
                 residual = residual.astype(np.float32)  # the host norms' precision
         result = self.device_block(hidden, tokens, out, residual if self.norms is not None else None)
-        self._last_run = {"mode": "device_block", "gpu_ms": self.device_block.last_gpu_ms}
+        self._last_run = {"mode": self.device_block.last_mode, "where": "device (router, experts, sum)",
+                          "gpu_ms": self.device_block.last_gpu_ms}
         return result
 
     def _device_tokens(self, input_ids, m):
@@ -315,7 +316,6 @@ class SparseMoeBlock:
     def close(self):
         """Free the block's device objects (the routed and shared expert ops included)."""
         if self.device_block is not None:
-            self.device_block.router.close()
             self.device_block.close()
         for op in [self.moe, *(self.shared_ops or {}).values()]:
             if hasattr(op, "close"):
@@ -327,7 +327,8 @@ class SparseMoeBlock:
 
     @property
     def last_run(self):
-        """How the last call ran: the routed-expert op's report, or {"mode": "device_block", "gpu_ms"}."""
+        """How the last call ran: the routed-expert op's report (CPU backend), or for the device block {"mode": the
+        routed experts' split / persistent, "where", "gpu_ms": the whole block's GPU time}."""
         return self._last_run if self.device_block is not None else getattr(self.moe, "last_run", None)
 
     def reference(self, hidden, routing=None, input_ids=None, residual=None) -> np.ndarray:

@@ -53,7 +53,7 @@ class _Scratch:
 
 
 class DeviceMoeBlock:
-    """router: a vkmoe.ops.router.DeviceRouter; moe: the Exl3MoeMlp of the routed experts; shared: None or
+    """router: a vkmoe.ops.router.DeviceRouter (closed with the block); moe: the Exl3MoeMlp of the routed experts; shared: None or
     {"up", "down"[, "gate"]} Exl3Linear (gate absent when the activation is gateless); shared_gate_weight: None
     or (1, H) (sigmoid gate of the shared output); activation / shared_act_limit: the shared expert's; norms:
     None or {"router", "routed_in", "routed_out", "shared_out": (H,) RMSNorm weight} with `eps` (Gemma 4: the
@@ -313,3 +313,4 @@ class DeviceMoeBlock:
             for b in (self.norms or {}).values():
                 b.close()
             self._dummy.close()
+            self.router.close()

@@ -15,6 +15,7 @@ from ..layout import MAX_GRID_X, MAX_TOP_K, ROUTER_FAMILIES, ROUTER_MAX_GROUPS
 from ..layout import ROUTE_MAX_EXPERTS as MAX_EXPERTS
 from ..vk import CommandRecorder, PushConstants
 from . import kernels
+from .device_array import close_recording
 
 
 class RouterLogitsPush(PushConstants):
@@ -182,11 +183,7 @@ class DeviceRouter:
 
     def close(self):
         for *bufs, rec, sets in self._calls.values():
-            rec.close()
-            for d in sets:
-                d.free()
-            for b in bufs:
-                b.close()
+            close_recording(rec, sets, bufs)
         self._calls.clear()
         self.gemv.close()
         for b in self._buffers:
