@@ -53,11 +53,11 @@ class _Scratch:
 
 
 class DeviceMoeBlock:
-    """router: a vkmoe.ops.router.DeviceRouter (closed with the block); moe: the Exl3MoeMlp of the routed experts; shared: None or
-    {"up", "down"[, "gate"]} Exl3Linear (gate absent when the activation is gateless); shared_gate_weight: None
-    or (1, H) (sigmoid gate of the shared output); activation / shared_act_limit: the shared expert's; norms:
-    None or {"router", "routed_in", "routed_out", "shared_out": (H,) RMSNorm weight} with `eps` (Gemma 4: the
-    router and the routed experts read the normed residual, which calls then pass)."""
+    """router: a vkmoe.ops.router.DeviceRouter (closed with the block); moe: the Exl3MoeMlp of the routed
+    experts; shared: None or {"up", "down"[, "gate"]} Exl3Linear (gate absent when the activation is gateless);
+    shared_gate_weight: None or (1, H) (sigmoid gate of the shared output); activation / shared_act_limit: the
+    shared expert's; norms: None or {"router", "routed_in", "routed_out", "shared_out": (H,) RMSNorm weight}
+    with `eps` (Gemma 4: the router and the routed experts read the normed residual, which calls then pass)."""
 
     def __init__(self, device, router, moe, top_k, shared=None, shared_gate_weight=None, activation="silu",
                  shared_act_limit=0.0, norms=None, eps=1e-6):
