@@ -3,8 +3,9 @@
 // one that sees `arrivals - 1` is the last, and alone goes on to sum the partials and finish the band. Nobody
 // waits. The counter is stored back to 0 by the last arrival, so a recorded command buffer can run again.
 //
-// Includer: declares `partial[]` (fp32, nonprivate) and defines LAST_ARRIVAL_BUF (a uint[] lvalue in a
-// nonprivate storage buffer) before including this, after exl3_gemm.glsl.
+// Includer: defines LAST_ARRIVAL_BUF (a uint[] lvalue in a nonprivate storage buffer) before including this;
+// for gemm_finish_partial also declares `partial[]` (fp32, nonprivate) and includes exl3_gemm.glsl first.
+// wg_last_arrival alone serves any workgroups that publish results for a last one (moe_router.comp).
 #ifndef LAST_ARRIVAL_GLSL
 #define LAST_ARRIVAL_GLSL
 
@@ -14,6 +15,24 @@
 
 shared bool s_last;
 
+// Count this workgroup's arrival on LAST_ARRIVAL_BUF[counter] after its buffer writes; returns, identically in
+// every invocation, whether it was the last of `arrivals` (which then sees every other arrival's writes).
+bool wg_last_arrival(uint counter, uint arrivals) {
+    // Makes this workgroup's writes available device-wide before the release below; the acquire side makes the
+    // other workgroups' writes visible to the last arrival.
+    WG_BARRIER_DEVICE();
+    if (gl_LocalInvocationID.x == 0u) {
+        uint arrived = atomicAdd(LAST_ARRIVAL_BUF[counter], 1u, gl_ScopeQueueFamily, gl_StorageSemanticsBuffer,
+                                 gl_SemanticsAcquireRelease | gl_SemanticsMakeAvailable | gl_SemanticsMakeVisible);
+        s_last = arrived == arrivals - 1u;
+        if (s_last)
+            atomicStore(LAST_ARRIVAL_BUF[counter], 0u, gl_ScopeQueueFamily, gl_StorageSemanticsBuffer, gl_SemanticsRelaxed);
+    }
+    WG_BARRIER_DEVICE();
+    return wg_uniform(uint(s_last)) != 0u;  // callers branch on it around code with barriers (Mesa 22.3)
+}
+
+#ifdef EXL3_GEMM_GLSL
 // Write this workgroup's k-split partial of rows p0 .. p0+nr-1 for one band to partial[] (row r at
 // partial_base + r * row_stride + band * BAND), then count the arrival on LAST_ARRIVAL_BUF[counter]; returns,
 // identically in every invocation, whether this was the last of `arrivals`.
@@ -30,18 +49,8 @@ bool gemm_finish_partial(uint partial_base, uint row_stride, uint p0, uint nr, u
                 partial[partial_base + (p0 + r0 + rr) * row_stride + band * BAND + col] = gemm_red_sum(rr, col);
         }
     }
-    // Makes the partials available device-wide before the release below; the acquire side makes the other
-    // workgroups' partials visible to the last arrival.
-    WG_BARRIER_DEVICE();
-    if (tid == 0u) {
-        uint arrived = atomicAdd(LAST_ARRIVAL_BUF[counter], 1u, gl_ScopeQueueFamily, gl_StorageSemanticsBuffer,
-                                 gl_SemanticsAcquireRelease | gl_SemanticsMakeAvailable | gl_SemanticsMakeVisible);
-        s_last = arrived == arrivals - 1u;
-        if (s_last)
-            atomicStore(LAST_ARRIVAL_BUF[counter], 0u, gl_ScopeQueueFamily, gl_StorageSemanticsBuffer, gl_SemanticsRelaxed);
-    }
-    WG_BARRIER_DEVICE();
-    return wg_uniform(uint(s_last)) != 0u;  // callers branch on it around code with barriers (Mesa 22.3)
+    return wg_last_arrival(counter, arrivals);
 }
+#endif
 
 #endif
