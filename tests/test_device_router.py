@@ -1,5 +1,5 @@
-"""The device router (vkmoe.ops.router: shaders moe_router_logits + moe_router_select) against the float64
-reference and the numpy router of every family, exact ties (the lower expert index wins, as in
+"""The device router (vkmoe.ops.router: shaders/moe_router.comp, GEMV + selection in one dispatch) against the
+float64 reference and the numpy router of every family, exact ties (the lower expert index wins, as in
 vkmoe.models.routing), a token whose scores are all equal, m = 1 and a larger m."""
 import numpy as np
 import pytest
@@ -163,3 +163,22 @@ def test_router_refuses_bad_arguments(device):
     with pytest.raises(ValueError, match=r"hidden: expected \(m, 256\)"):
         r(np.zeros((2, 128), np.float16))
     r.close()
+
+
+def test_router_at_the_size_limits(device):
+    """E = 1024 (the op's limit) and H = 4096: 128 GEMV workgroups per token, the last of which selects; every
+    loop stays far below Mesa 22.3's 65,536-iteration cap."""
+    rng = np.random.default_rng(40)
+    E_big, H_big = 1024, 4096
+    w = (rng.standard_normal((E_big, H_big)) / 64).astype(np.float16)
+    x = rng.standard_normal((3, H_big)).astype(np.float16)
+    bias = (0.05 * rng.standard_normal(E_big)).astype(np.float32)
+    router = DeviceRouter(device, "dots", w, 8, bias=bias, n_group=16, topk_group=4, norm=True,
+                          routed_scaling_factor=2.5)
+    try:
+        ids, wts = router(x)
+    finally:
+        router.close()
+    ids64, w64 = sigmoid_group_topk(router_logits(x, w, np.float64), bias, 8, 16, 4, True, 2.5)
+    assert np.array_equal(ids, ids64)
+    np.testing.assert_allclose(wts, w64, rtol=2e-6, atol=1e-7)

@@ -3,15 +3,17 @@ command buffer (vkmoe.models.SparseMoeBlock builds it for the vulkan backend; do
 
 Phases (one barrier after each; the dispatches inside a phase are independent), split mode:
     [fp32 hidden -> fp16 | Gemma 4: router / routed-in RMSNorms]
-    router GEMV, shared gate GEMV, shared up + gate input Hadamards
-    router select, shared up + gate GEMMs
-    routed: routing + stage 1, shared activation
-    routed: gate/up GEMM, shared down input Hadamard
-    routed: down GEMM, shared down GEMM
+    router (one dispatch), shared gate GEMV, shared up + gate input Hadamards
+    routed: routing + stage 1, shared up + gate GEMMs
+    routed: gate/up GEMM, shared activation
+    routed: down GEMM, shared down input Hadamard
+    shared down GEMM
     [Gemma 4: routed-out RMSNorm] -> out += shared (· sigmoid(gate)) (Gemma 4: += RMSNorm(shared))
-A persistent routed launch runs alone, after the shared expert's phases.
+Without a shared expert: router, then the routed experts' three. A persistent routed launch runs alone, after the
+shared expert's phases.
 """
 from collections import OrderedDict
+import itertools
 import threading
 
 import numpy as np
@@ -137,16 +139,16 @@ class DeviceMoeBlock:
             pre.append(lambda cmd: self._rmsnorm(cmd, "router", r_buf, r_f32, s.z16, False, m, scale=self.H ** -0.5))
             pre.append(lambda cmd: self._rmsnorm(cmd, "routed_in", r_buf, r_f32, s.e16, False, m))
             router_in, router_f32, experts_in = s.z16, False, s.e16
-        logits, select = self.router.steps(router_in, router_f32, tokens_buf, s.logits, s.ids, s.weights, m)
-        head, tail = self._shared_phases(x16, s, m) if self.shared else ([[], []], [])
+        steps = self.router.steps(router_in, router_f32, tokens_buf, s.logits, s.ids, s.weights, m)
+        shared = self._shared_phases(x16, s, m) if self.shared else [[]]
         if mode == "split":
             routed = [[st] for st in self.moe.split_stages(experts_in, s.ids, s.weights, out_buf, m, self.top_k)]
-            routed = [r + t for r, t in zip(routed, tail + [[]] * (3 - len(tail)))]
+            later = [r + sh for r, sh in itertools.zip_longest(routed, shared[1:], fillvalue=[])]
         else:  # a persistent launch wants the whole device: nothing runs beside it
             def persistent(cmd):
                 self.moe.record(cmd, experts_in, s.ids, s.weights, out_buf, m, self.top_k, mode=mode)
-            routed = tail + [[persistent]]
-        phases = ([pre] if pre else []) + [[logits] + head[0], [select] + head[1]] + routed
+            later = shared[1:] + [[persistent]]
+        phases = ([pre] if pre else []) + [steps + shared[0]] + later
         if self.norms is not None:
             phases.append([lambda cmd: self._rmsnorm(cmd, "routed_out", out_buf, True, out_buf, True, m)])
         if self.shared:
@@ -154,8 +156,9 @@ class DeviceMoeBlock:
         return phases
 
     def _shared_phases(self, x16, s, m):
-        """The shared expert's steps: ([beside the router GEMV], [beside the router select]) and the three
-        phases that may run beside the routed experts' split dispatches: activation, down's two dispatches."""
+        """The shared expert's phases: [up and gate input Hadamards, gate GEMV] (beside the router), [up and
+        gate GEMMs], [activation], [down's input Hadamard], [down's GEMM] (beside the routed experts' split
+        dispatches)."""
         ops = self.shared
         up = ops["up"].stages(x16, s.u, m)
         gate = ops["gate"].stages(x16, s.g, m) if "gate" in ops else [None, None]
@@ -165,7 +168,7 @@ class DeviceMoeBlock:
         second = [up[1]] + ([gate[1]] if gate[1] else [])
         act = lambda cmd: self._elem(cmd, layout.ELEM_ACTIVATE, (s.g, s.u, s.p), m * self.shared_n)  # noqa: E731
         down = ops["down"].stages(s.p, s.s, m)
-        return [first, second], [[act], [down[0]], [down[1]]]
+        return [first, second, [act], [down[0]], [down[1]]]
 
     def _shared_sum(self, cmd, s, out_buf, m):
         if self.norms is not None:  # out += RMSNorm(shared), in fp32

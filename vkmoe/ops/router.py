@@ -4,9 +4,10 @@
                           routed_scaling_factor=2.5)
     ids, weights = router(hidden)          # numpy in and out, one submission (tests; the block records it)
 
-shaders/moe_router_logits.comp (RouterGemv: x · Wᵀ with W in the checkpoint's dtype, fp32 sums in a fixed order)
-and shaders/moe_router_select.comp (one workgroup per token). Families and their math: vkmoe/models/routing.py,
-the numpy twin; both break ties toward the lower expert index.
+shaders/moe_router.comp: the GEMV (x · Wᵀ with W in the checkpoint's dtype, fp32 sums in a fixed order) by
+workgroups of ROUTER_EXPERTS_PER_WG experts, then the selection by the last workgroup of each token to arrive,
+in one dispatch. RouterGemv (shaders/moe_router_logits.comp) is the GEMV alone (the shared-expert gate).
+Families and their math: vkmoe/models/routing.py, the numpy twin; both break ties toward the lower index.
 """
 import numpy as np
 
@@ -22,8 +23,8 @@ class RouterLogitsPush(PushConstants):
     fields = [("m", "<u4"), ("E", "<u4"), ("H", "<u4")]
 
 
-class RouterSelectPush(PushConstants):
-    fields = [("m", "<u4"), ("E", "<u4"), ("top_k", "<u4"), ("n_group", "<u4"), ("topk_group", "<u4"),
+class RouterPush(PushConstants):
+    fields = [("m", "<u4"), ("E", "<u4"), ("H", "<u4"), ("top_k", "<u4"), ("n_group", "<u4"), ("topk_group", "<u4"),
               ("norm", "<u4"), ("has_bias", "<u4"), ("has_scale", "<u4"), ("vocab", "<u4"),
               ("routed_scaling_factor", "<f4"), ("op_scale", "<f4")]
 
@@ -58,21 +59,21 @@ class RouterGemv:
         self.device, (self.E, self.H) = device, w.shape
         data, self.kind = weight_words(w)
         self.values = data  # what the device multiplies (tests compare the numpy router on the same values)
-        self._w = device.memory.allocate(data.nbytes)
-        self._w.upload(data)
+        self.weight_buffer = device.memory.allocate(data.nbytes)
+        self.weight_buffer.upload(data)
 
     def record(self, cmd, x_buf, x_f32, logits_buf, m):
         """Append the GEMV of m rows of x_buf ((m, H) fp32 when x_f32 else fp16) into logits_buf; no barrier.
         Returns the descriptor set."""
         spec = {layout.SPEC_ROUTER_WKIND: layout.ROUTER_WEIGHT_KINDS[self.kind], layout.SPEC_ROUTER_X_F32: bool(x_f32)}
         pipe = kernels.pipeline(self.device, "moe_router_logits", RouterLogitsPush, spec)
-        dset = pipe.bind(x_buf, self._w, logits_buf)
+        dset = pipe.bind(x_buf, self.weight_buffer, logits_buf)
         groups = (layout.ceil_div(self.E, layout.ROUTER_EXPERTS_PER_WG), m)
         cmd.dispatch(pipe, dset, groups, RouterLogitsPush(m=m, E=self.E, H=self.H))
         return dset
 
     def close(self):
-        self._w.close()
+        self.weight_buffer.close()
 
 
 class DeviceRouter:
@@ -105,6 +106,8 @@ class DeviceRouter:
         self._table = self._upload(tid2eid, np.int32)
         self._buffers = [b for b in (self._bias, self._scale, self._table) if b is not None]
         self._dummy = mem.allocate(16)  # bound where a table is absent (never read: has_* = 0)
+        self._counters = [mem.allocate(64 * 4)]
+        self._counters[0].upload(np.zeros(64, np.uint32))
         self._buffers.append(self._dummy)
         self.push_values = dict(E=E, top_k=top_k, n_group=max(1, int(n_group)) if family == "dots" else 1,
                                 topk_group=int(topk_group), norm=int(bool(norm)), has_bias=int(bias is not None),
@@ -121,9 +124,9 @@ class DeviceRouter:
         return buf
 
     def record(self, cmd, x_buf, x_f32, tokens_buf, logits_buf, ids_buf, weights_buf, m):
-        """Append the router of m tokens: logits into logits_buf ((m, E) fp32 scratch), then int32 ids and fp32
-        weights (m, top_k) into ids_buf / weights_buf. tokens_buf: (m,) int32 token ids (hash layers; else any
-        buffer). Ends with a barrier. Returns the descriptor sets."""
+        """Append the router of m tokens (one dispatch: shaders/moe_router.comp): logits into logits_buf ((m, E)
+        fp32 scratch), int32 ids and fp32 weights (m, top_k) into ids_buf / weights_buf. tokens_buf: (m,) int32
+        token ids (hash layers; else any buffer). Ends with a barrier. Returns the descriptor sets."""
         sets = []
         for step in self.steps(x_buf, x_f32, tokens_buf, logits_buf, ids_buf, weights_buf, m):
             sets.append(step(cmd))
@@ -131,20 +134,31 @@ class DeviceRouter:
         return sets
 
     def steps(self, x_buf, x_f32, tokens_buf, logits_buf, ids_buf, weights_buf, m):
-        """record()'s two dispatches [GEMV, select] as functions(cmd) -> descriptor set, no barriers (the
-        caller puts one after each, and may record independent work beside them)."""
+        """record()'s dispatches as functions(cmd) -> descriptor set, no barriers (the caller puts one after
+        each, and may record independent work beside them)."""
         check_tokens(m)
-        pipe = kernels.pipeline(self.device, "moe_router_select", RouterSelectPush,
-                                {layout.SPEC_ROUTER_FAMILY: ROUTER_FAMILIES[self.family]})
-        d = self._dummy
+        spec = {layout.SPEC_ROUTER_WKIND: layout.ROUTER_WEIGHT_KINDS[self.gemv.kind],
+                layout.SPEC_ROUTER_X_F32: bool(x_f32), layout.SPEC_ROUTER_FAMILY: ROUTER_FAMILIES[self.family]}
+        pipe = kernels.pipeline(self.device, "moe_router", RouterPush, spec)
+        counters, d = self._counters_for(m), self._dummy
 
-        def select(cmd):
-            dset = pipe.bind(logits_buf, self._bias or d, self._scale or d, self._table or d, tokens_buf, ids_buf,
-                             weights_buf)
-            cmd.dispatch(pipe, dset, m, RouterSelectPush(m=m, **self.push_values))
+        def route(cmd):
+            dset = pipe.bind(x_buf, self.gemv.weight_buffer, logits_buf, self._bias or d, self._scale or d,
+                             self._table or d, tokens_buf, ids_buf, weights_buf, counters)
+            cmd.dispatch(pipe, dset, (layout.ceil_div(self.E, layout.ROUTER_EXPERTS_PER_WG), m),
+                         RouterPush(m=m, H=self.gemv.H, **self.push_values))
             return dset
 
-        return [lambda cmd: self.gemv.record(cmd, x_buf, x_f32, logits_buf, m), select]
+        return [route]
+
+    def _counters_for(self, m):
+        """The per-token arrival counters (zero between dispatches: the last arrival resets its own). One buffer
+        for every m up to its size; a larger m gets a new one (the old stays: recordings may use it)."""
+        if self._counters[-1].size < m * 4:
+            buf = self.device.memory.allocate(max(m, 2 * self._counters[-1].size // 4) * 4)
+            buf.upload(np.zeros(buf.size // 4, np.uint32))
+            self._counters.append(buf)
+        return self._counters[-1]
 
     def __call__(self, hidden, input_ids=None):
         """hidden (m, H) float16 or float32 numpy -> (ids int64 (m, top_k), weights float32 (m, top_k)), one
@@ -186,5 +200,5 @@ class DeviceRouter:
             close_recording(rec, sets, bufs)
         self._calls.clear()
         self.gemv.close()
-        for b in self._buffers:
+        for b in self._buffers + self._counters:
             b.close()

@@ -1,27 +1,15 @@
-#version 450
-// Router selection, one workgroup per token: the family's scores from the token's fp32 logits, group-limited
-// top-k (dots), top-k, normalisation, scales (vkmoe/models/routing.py is the numpy twin of every step).
-// Tie rule: equal selection scores pick the LOWER expert index (routing.py's stable sort); slots come out in
-// descending score order. The E loops are split over the 256 invocations (E / 256 trips each), the top-k loop
-// has top_k trips: nothing grows with m. Writes int32 ids (m, top_k) and fp32 weights (m, top_k) for the
-// routed experts (moe_route reads them); a hash token id outside the table gets ids -1 (skipped), weight 0.
-#include "common.glsl"
-layout(local_size_x = 256) in;
-#include "generated/moe_layout.glsl"
-layout(constant_id = SPEC_ROUTER_FAMILY) const uint FAMILY = ROUTER_STD;
-
-layout(std430, binding = 0) readonly buffer Logits { float logits[]; };  // (m, E)
-layout(std430, binding = 1) readonly buffer Bias { float bias[]; };      // (E,) selection bias (has_bias)
-layout(std430, binding = 2) readonly buffer Scale { float expert_scale[]; };  // (E,) per_expert_scale (has_scale)
-layout(std430, binding = 3) readonly buffer Table { int tid2eid[]; };    // (V, top_k) hash layers
-layout(std430, binding = 4) readonly buffer Tokens { int input_ids[]; }; // (m,) hash layers
-layout(std430, binding = 5) writeonly buffer Ids { int ids_out[]; };     // (m, top_k)
-layout(std430, binding = 6) writeonly buffer Weights { float weights_out[]; };  // (m, top_k)
-layout(push_constant) uniform Push {
-    uint m; uint E; uint top_k; uint n_group; uint topk_group; uint norm; uint has_bias; uint has_scale;
-    uint vocab; float routed_scaling_factor; float op_scale;
-} pc;
-
+// Router selection for one token (moe_router.comp's last arriving workgroup): the family's scores from the
+// token's fp32 logits, group-limited top-k (dots), top-k, normalisation, scales (vkmoe/models/routing.py is the
+// numpy twin of every step). Tie rule: equal selection scores pick the LOWER expert index (routing.py's stable
+// sort), equal group scores the lower group; slots come out in descending score order. The E loops are split
+// over the 256 invocations (E / 256 trips each), the top-k loop has top_k trips. Writes int32 ids (m, top_k) and
+// fp32 weights (m, top_k) for the routed experts; a hash token id outside the table gets ids -1, weight 0.
+//
+// Includer: declares FAMILY, logits[], bias[], expert_scale[], tid2eid[], input_ids[], ids_out[],
+// weights_out[] and a push block with E, top_k, n_group, topk_group, norm, has_bias, has_scale, vocab,
+// routed_scaling_factor and op_scale.
+#ifndef ROUTER_SELECT_GLSL
+#define ROUTER_SELECT_GLSL
 const uint NONE = 0xFFFFFFFFu;
 shared float s_score[ROUTE_MAX_EXPERTS];   // the weights' source: softmax / sigmoid / sqrt(softplus)
 shared float s_choice[ROUTE_MAX_EXPERTS];  // what selection ranks: score (+ bias), -inf outside kept groups
@@ -174,8 +162,8 @@ void write_weights(uint t) {
     }
 }
 
-void main() {
-    uint t = gl_WorkGroupID.x, E = wg_uniform(pc.E);
+void router_select(uint t) {
+    uint E = wg_uniform(pc.E);
     scores(t, E);
     if (FAMILY == ROUTER_SQRTSP_HASH) {
         hash_ids(t, E);
@@ -185,3 +173,4 @@ void main() {
     }
     write_weights(t);
 }
+#endif
