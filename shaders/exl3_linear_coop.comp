@@ -53,7 +53,7 @@ void main() {
     coop_gemm(row0, nr, pc.k, pc.n / 16u, band, kt0, kt1, split * m_pad * pc.n + row0 * pc.n + band * BAND + COOP_NT * 16u,
               pc.n);
 
-    if (!last_arrival(tile * (pc.n / BAND) + band, pc.splits))
+    if (!wg_last_arrival(tile * (pc.n / BAND) + band, pc.splits))
         return;
     linear_output_band(band, row0, nr, m_pad * pc.n);
 }

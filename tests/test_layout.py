@@ -112,6 +112,10 @@ def _push_fields(glsl):
     (("shaders", "exl3_had_in.comp"), "vkmoe.ops.kernels:HadInPush"),
     (("shaders", "exl3_dequant.comp"), "vkmoe.ops.kernels:DequantPush"),
     (("shaders", "fill_random.comp"), "vkmoe.ops.synthetic:FillPush"),
+    (("shaders", "moe_router_logits.comp"), "vkmoe.ops.router:RouterLogitsPush"),
+    (("shaders", "moe_router.comp"), "vkmoe.ops.router:RouterPush"),
+    (("shaders", "moe_block_elem.comp"), "vkmoe.ops.block:ElemPush"),
+    (("shaders", "moe_block_rmsnorm.comp"), "vkmoe.ops.block:NormPush"),
 ], ids=lambda v: v if isinstance(v, str) else v[-1])
 def test_push_blocks_match_their_python_types(shader, push):
     """A push-constant block's field names, types and order are part of the contract too (the pipeline checks

@@ -140,8 +140,7 @@ def run_block(device, experts, tokens, seed, p):
             wall_ms = (time.perf_counter() - t1) * 1e3
             run_info = dict(block.last_run or {})
             backend = block.backend
-            if hasattr(block.moe, "close"):
-                block.moe.close()
+            block.close()
         log.info("SparseMoeBlock on the CPU tier ...")
         y_cpu = SparseMoeBlock.from_checkpoint(tmp, 0, backend="cpu")(hidden)
     finite = bool(np.isfinite(y).all())
@@ -151,7 +150,7 @@ def run_block(device, experts, tokens, seed, p):
     p(f"  block:         Qwen3-MoE checkpoint -> SparseMoeBlock (router + {experts} experts), {tokens} tokens")
     p(f"  block backend: {backend}, dispatch {run_info.get('mode', '-')}"
       + (f" ({_dispatch_note(run_info)})" if _dispatch_note(run_info) else ""))
-    p(f"  block time:    {wall_ms:.1f} ms wall" + (f", experts {gpu:.3f} ms GPU" if gpu is not None else ""))
+    p(f"  block time:    {wall_ms:.1f} ms wall" + (f", block {gpu:.3f} ms GPU" if gpu is not None else ""))
     p(f"  block vs CPU:  relative RMS error {err:.2e} (tolerance {TOLERANCE:.0e})" + ("" if finite else ", NOT FINITE"))
     return ok
 
@@ -185,8 +184,7 @@ def run_deepseek_v4_blocks(device, tokens, seed, p):
                 t1 = time.perf_counter()
                 y = block(hidden, input_ids=input_ids)
                 wall_ms = (time.perf_counter() - t1) * 1e3
-                if hasattr(block.moe, "close"):
-                    block.moe.close()
+                block.close()
                 y_cpu = SparseMoeBlock.from_checkpoint(tmp, layer, backend="cpu")(hidden, input_ids=input_ids)
                 finite = bool(np.isfinite(y).all())
                 err = _rel_rms(y, y_cpu) if finite else float("nan")

@@ -67,6 +67,16 @@ ROUTE_CHUNK_WORDS = 3
 
 STAGE1_PAIRS_PER_ITEM = 2  # (row, 128-block) pairs per stage-1 work item
 
+# ------------------------------------------------------------------------ the device block (router, shared)
+# moe_router.comp's family (spec constant) and moe_block_elem.comp's operation (push constant `mode`)
+ROUTER_FAMILIES = {"std": 0, "dots": 1, "sqrtsp": 2, "sqrtsp_hash": 3}  # ROUTER_*
+ROUTER_WEIGHT_KINDS = {"float16": 0, "bfloat16": 1, "float32": 2}        # WKIND_*: the checkpoint's router dtype
+ROUTER_EXPERTS_PER_WG = 8     # router GEMV: experts per workgroup (grid: E / 8 x m), so no loop grows with E or m
+ROUTER_MAX_GROUPS = 64        # dots: n_group limit (router_select.glsl's shared group scores)
+SOFTPLUS_THRESHOLD = 20.0     # sqrt(softplus): x itself above this (torch's default; routing.py uses the same)
+ELEM_TO_F16, ELEM_ACTIVATE, ELEM_ADD_SHARED = 0, 1, 2  # moe_block_elem.comp modes
+SPEC_ROUTER_WKIND, SPEC_ROUTER_X_F32, SPEC_ROUTER_FAMILY = 0, 1, 2
+
 
 def ceil_div(a, b):
     return -(-a // b)
@@ -188,6 +198,17 @@ def _defines():
     yield "ROUTE_HEADER", f"{ROUTE_HEADER}u"
     yield "ROUTE_CHUNK_WORDS", f"{ROUTE_CHUNK_WORDS}u"
     yield "STAGE1_PAIRS_PER_ITEM", f"{STAGE1_PAIRS_PER_ITEM}u"
+    for name, value in ROUTER_FAMILIES.items():
+        yield f"ROUTER_{name.upper()}", f"{value}u"
+    for name, value in ROUTER_WEIGHT_KINDS.items():
+        yield f"WKIND_{name.upper()}", f"{value}u"
+    yield "ROUTER_EXPERTS_PER_WG", f"{ROUTER_EXPERTS_PER_WG}u"
+    yield "ROUTER_MAX_GROUPS", f"{ROUTER_MAX_GROUPS}u"
+    yield "SOFTPLUS_THRESHOLD", f"{SOFTPLUS_THRESHOLD:.1f}"
+    for name in ("TO_F16", "ACTIVATE", "ADD_SHARED"):
+        yield f"ELEM_{name}", f"{globals()['ELEM_' + name]}u"
+    for name in ("WKIND", "X_F32", "FAMILY"):
+        yield f"SPEC_ROUTER_{name}", str(globals()["SPEC_ROUTER_" + name])
 
 
 def glsl_defines():

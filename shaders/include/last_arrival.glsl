@@ -3,9 +3,9 @@
 // one that sees `arrivals - 1` is the last, and alone goes on to sum the partials and finish the band. Nobody
 // waits. The counter is stored back to 0 by the last arrival, so a recorded command buffer can run again.
 //
-// Includer: declares `partial[]` (fp32, nonprivate) and defines LAST_ARRIVAL_BUF (a uint[] lvalue in a
-// nonprivate storage buffer) before including this, after exl3_gemm.glsl (whose accumulators gemm_finish_partial
-// writes; without it only last_arrival() is defined).
+// Includer: defines LAST_ARRIVAL_BUF (a uint[] lvalue in a nonprivate storage buffer) before including this;
+// for gemm_finish_partial also declares `partial[]` (fp32, nonprivate) and includes exl3_gemm.glsl first.
+// wg_last_arrival alone serves any workgroups that publish results for a last one (moe_router.comp).
 #ifndef LAST_ARRIVAL_GLSL
 #define LAST_ARRIVAL_GLSL
 
@@ -18,11 +18,11 @@
 // of 16 bytes).
 shared uint s_last[4];
 
-// After this workgroup's partial is written: count its arrival on LAST_ARRIVAL_BUF[counter]; returns,
-// identically in every invocation, whether it was the last of `arrivals` (then the others' partials are visible).
-bool last_arrival(uint counter, uint arrivals) {
-    // Makes the partials available device-wide before the release below; the acquire side makes the other
-    // workgroups' partials visible to the last arrival.
+// Count this workgroup's arrival on LAST_ARRIVAL_BUF[counter] after its buffer writes; returns, identically in
+// every invocation, whether it was the last of `arrivals` (which then sees every other arrival's writes).
+bool wg_last_arrival(uint counter, uint arrivals) {
+    // Makes this workgroup's writes available device-wide before the release below; the acquire side makes the
+    // other workgroups' writes visible to the last arrival.
     WG_BARRIER_DEVICE();
     if (gl_LocalInvocationID.x == 0u) {
         uint arrived = atomicAdd(LAST_ARRIVAL_BUF[counter], 1u, gl_ScopeQueueFamily, gl_StorageSemanticsBuffer,
@@ -52,7 +52,7 @@ bool gemm_finish_partial(uint partial_base, uint row_stride, uint p0, uint nr, u
                 partial[partial_base + (p0 + r0 + rr) * row_stride + band * BAND + col] = gemm_red_sum(rr, col);
         }
     }
-    return last_arrival(counter, arrivals);
+    return wg_last_arrival(counter, arrivals);
 }
 #endif
 

@@ -228,11 +228,6 @@ float act_silu(float g) {
     return rn16(g * rn16(1.0 / s));
 }
 float act_gelu_tanh(float x) { return rn16(0.5 * x * (1.0 + tanh(0.797884560803 * (x + 0.044715 * x * x * x)))); }
-float erf_approx(float x) {  // Abramowitz-Stegun 7.1.26, |error| < 1.5e-7 (below fp16 resolution)
-    float t = 1.0 / (1.0 + 0.3275911 * abs(x));
-    float y = 1.0 - (((((1.061405429 * t - 1.453152027) * t) + 1.421413741) * t - 0.284496736) * t + 0.254829592) * t * exp(-x * x);
-    return x < 0.0 ? -y : y;
-}
 float act_gelu_erf(float x) { return rn16(0.5 * x * (1.0 + erf_approx(x * 0.70710678118654752))); }
 
 // p = RN16(act(g) * u) with act_limit semantics (vkmoe/exl3/reference.py): g, u are fp16 values.

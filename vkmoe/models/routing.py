@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..layout import SOFTPLUS_THRESHOLD  # torch's softplus threshold (x itself above it), also the device router's
+
 __all__ = ["ROUTERS", "router_logits", "softmax_topk", "sigmoid_group_topk", "sqrtsp_topk", "sqrtsp_hash",
            "sqrt_softplus", "topk_desc"]
-
-SOFTPLUS_THRESHOLD = 20.0  # torch.nn.functional.softplus: x itself above this, as exllamav3's router uses
 
 
 def router_logits(hidden, weight, dtype=np.float32) -> np.ndarray:

@@ -5,9 +5,11 @@
     y = block(hidden, input_ids=ids)      # DeepSeek-V4 hash layers (experts from tid2eid[token id])
     y = block(hidden, residual=r)         # Gemma 4 (router and routed experts read the residual stream)
 
-router (numpy, fp32; families in vkmoe.models.routing) -> routed experts through the registered `exl3_moe_mlp` (+ shared experts through
-`exl3_linear`, where the architecture has them). `block.reference(hidden)` is the same block in float64 with
-vkmoe.exl3.reference, for tests.
+Vulkan backend: the whole block on the device, ONE submission per call (vkmoe.ops.block: router shaders, the
+routed experts, shared experts, Gemma 4's RMSNorms, the sum); `block.record(rec, hidden, out)` appends it to a
+caller's command buffer. CPU backend: router in numpy (fp32; families in vkmoe.models.routing) -> routed experts
+through the registered `exl3_moe_mlp` (+ shared experts through `exl3_linear`, where the architecture has them).
+`block.reference(hidden)` is the same block in float64 with vkmoe.exl3.reference, for tests.
 """
 from __future__ import annotations
 
@@ -124,6 +126,23 @@ class SparseMoeBlock:
         if shared:
             self.shared_ops = {p: registry.create("exl3_linear", shared[p], backend=self.backend, device=device)
                                for p in _PROJS if shared.get(p) is not None}
+        self.device_block = self._device_block() if self.backend == "vulkan" else None
+        self._last_run = None
+
+    def _device_block(self):
+        """The whole block on the routed-expert op's Vulkan device (vkmoe.ops.block): router, routed and shared
+        experts, Gemma 4's RMSNorms and the sum in one command buffer."""
+        from ..ops.block import DeviceMoeBlock  # the numpy path and the CPU backend must not need the Vulkan layer
+        from ..ops.router import DeviceRouter
+
+        c, device = self.config, self.moe.device
+        router = DeviceRouter(device, self.router, self._router_weight_src, c.top_k, bias=self.e_bias,
+                              per_expert_scale=self.per_expert_scale, tid2eid=self.tid2eid, n_group=c.n_group,
+                              topk_group=c.topk_group, norm=c.norm_topk_prob,
+                              routed_scaling_factor=c.routed_scaling_factor, op_scale=self.interm_div or 1.0)
+        return DeviceMoeBlock(device, router, self.moe, c.top_k, shared=self.shared_ops,
+                              shared_gate_weight=self.shared_gate_weight, activation=self.activation,
+                              shared_act_limit=self.shared_act_limit, norms=self.norms, eps=c.rms_norm_eps)
 
     # -------------------------------------------------------------------------------------- loading
     @classmethod
@@ -205,32 +224,20 @@ class SparseMoeBlock:
 
     def __call__(self, hidden, input_ids=None, residual=None, out=None):
         """hidden (m, H) float16/float32 -> (m, H) float32. input_ids: the token ids (hash-routed layers);
-        residual: Gemma 4's residual stream. With the vulkan backend hidden may be a DeviceArray, and out "device"
-        (return a new DeviceArray) or a DeviceArray to fill. The router and the shared experts' activation still
-        run on the host: a DeviceArray hidden is fetched for them (the routed experts read a float16 one on the
-        device), and with shared experts the sum is uploaded."""
-        x_dev = target = None
-        if out is not None or not isinstance(hidden, np.ndarray):
-            # Imported only here: the numpy path (and the CPU backend) must not need the Vulkan layer.
-            from ..ops.device_array import DeviceArray, resolve_out
-        if not isinstance(hidden, np.ndarray) and isinstance(hidden, DeviceArray):
-            hidden.check("hidden", self._vulkan_device("a DeviceArray hidden"), (None, self.config.hidden_size),
-                         hidden.dtype)
-            x_dev = hidden if hidden.dtype == np.float16 and self.norms is None else None
-            hidden = hidden.numpy()
+        residual: Gemma 4's residual stream. With the vulkan backend hidden (and input_ids, residual) may be
+        DeviceArrays, and out "device" (return a new DeviceArray) or a DeviceArray to fill; the whole block runs
+        on the device in ONE submission (vkmoe.ops.block). The CPU backend: numpy in and out."""
+        if self.device_block is not None:
+            return self._device_call(hidden, input_ids, out, residual)
+        self._refuse_device_arrays(hidden, out)
         h = self._check_hidden(hidden)
         m = h.shape[0]
-        if out is not None:
-            target = resolve_out(out, self._vulkan_device("out"), (m, self.config.hidden_size), np.float32)
         if m == 0:
-            return np.zeros((0, self.config.hidden_size), np.float32) if target is None else target
+            return np.zeros((0, self.config.hidden_size), np.float32)
         ids, wts = self.route(h, input_ids, residual=residual)
         x16 = np.ascontiguousarray(h, dtype=np.float16)
-        experts_in = self._expert_input(h, residual) if x_dev is None else x_dev
-        op_weights = self._op_weights(wts).astype(np.float32)
-        if target is not None and not self.shared_ops and self.norms is None:
-            return self.moe(experts_in, ids, op_weights, out=target)
-        out = np.asarray(self.moe(experts_in, ids, op_weights), dtype=np.float32)
+        out = np.asarray(self.moe(self._expert_input(h, residual), ids, self._op_weights(wts).astype(np.float32)),
+                         dtype=np.float32)
         if self.norms is not None:
             out = self._norm("routed_out", out, np.float32)
         if self.shared_ops:
@@ -246,17 +253,73 @@ class SparseMoeBlock:
             if self.norms is not None:
                 s = self._norm("shared_out", s, np.float32)
             out = out + s
-        if target is not None:
-            target.buffer.upload(out)
-            return target
         return out
 
-    def _vulkan_device(self, what):
-        """The device of the routed-expert op, which DeviceArrays must live on."""
-        device = getattr(self.moe, "device", None)
-        if self.backend != "vulkan" or device is None:
+    def _refuse_device_arrays(self, hidden, out):
+        """The host path (CPU backend) takes and returns numpy only."""
+        what = "out" if out is not None else None
+        if what is None and not isinstance(hidden, np.ndarray):
+            # Imported only here: the numpy path (and the CPU backend) must not need the Vulkan layer.
+            from ..ops.device_array import DeviceArray
+            what = "a DeviceArray hidden" if isinstance(hidden, DeviceArray) else None
+        if what is not None:
             raise ValueError(f"{what} needs the vulkan backend; this block runs on {self.backend!r}")
-        return device
+
+    def _device_call(self, hidden, input_ids, out, residual):
+        from ..ops.device_array import DeviceArray
+
+        if not isinstance(hidden, DeviceArray):
+            hidden = self._check_hidden(hidden)
+            if hidden.dtype == np.float64:
+                hidden = hidden.astype(np.float32)  # the host router's precision
+        tokens = self._device_tokens(input_ids, hidden.shape[0])
+        if self.norms is not None and not isinstance(residual, DeviceArray):
+            residual = self._residual(residual, hidden)
+            if residual.dtype not in (np.float16, np.float32):
+                residual = residual.astype(np.float32)  # the host norms' precision
+        result = self.device_block(hidden, tokens, out, residual if self.norms is not None else None)
+        self._last_run = {"mode": self.device_block.last_mode, "where": "device (router, experts, sum)",
+                          "gpu_ms": self.device_block.last_gpu_ms}
+        return result
+
+    def _device_tokens(self, input_ids, m):
+        """input_ids as the device router takes them: None (not a hash layer), a DeviceArray (m,) int32 (ids
+        outside the table route nowhere: ids -1, weight 0) or checked numpy int32."""
+        from ..ops.device_array import DeviceArray
+
+        if self.router != "sqrtsp_hash":
+            return None
+        if isinstance(input_ids, DeviceArray):
+            return input_ids
+        self._hash_ids(input_ids, m)  # the checks, with their messages
+        return np.ascontiguousarray(input_ids, dtype=np.int32)
+
+    def record(self, rec, hidden, out, input_ids=None, residual=None):
+        """Append the whole block to a recording vkmoe CommandRecorder: hidden (m, H) float16/float32 and out
+        (m, H) float32 DeviceArrays of this block's device, input_ids an (m,) int32 DeviceArray for a hash
+        layer, residual an (m, H) float16/float32 DeviceArray for Gemma 4. Ends with a barrier, so the next block
+        may read `out`. Returns the descriptor sets the commands use (free them when the recording is dropped)."""
+        from ..ops.device_array import DeviceArray
+
+        if self.device_block is None:
+            raise ValueError(f"record() needs the whole block on a Vulkan device; it runs on {self.backend!r}")
+        named = [("hidden", hidden), ("out", out)] + ([("residual", residual)] if self.norms is not None else [])
+        for name, arr in named:
+            if not isinstance(arr, DeviceArray):
+                raise TypeError(f"{name}: expected a vkmoe DeviceArray, got {type(arr).__name__}")
+        if self.router == "sqrtsp_hash" and not isinstance(input_ids, DeviceArray):
+            raise TypeError(f"input_ids: layer {self.layer_index} is hash-routed; record() needs the (m,) int32 "
+                            f"token ids as a DeviceArray, got {type(input_ids).__name__}")
+        return self.device_block.record(rec, hidden, out, input_ids if self.router == "sqrtsp_hash" else None,
+                                        residual=residual if self.norms is not None else None)
+
+    def close(self):
+        """Free the block's device objects (the routed and shared expert ops included)."""
+        if self.device_block is not None:
+            self.device_block.close()
+        for op in [self.moe, *(self.shared_ops or {}).values()]:
+            if hasattr(op, "close"):
+                op.close()
 
     def _op_weights(self, wts):
         """Routing weights as the routed-expert op takes them (times interm_div where the ups are divided)."""
@@ -264,7 +327,9 @@ class SparseMoeBlock:
 
     @property
     def last_run(self):
-        return getattr(self.moe, "last_run", None)
+        """How the last call ran: the routed-expert op's report (CPU backend), or for the device block {"mode": the
+        routed experts' split / persistent, "where", "gpu_ms": the whole block's GPU time}."""
+        return self._last_run if self.device_block is not None else getattr(self.moe, "last_run", None)
 
     def reference(self, hidden, routing=None, input_ids=None, residual=None) -> np.ndarray:
         """The whole block in float64 (router included) with vkmoe.exl3.reference; (m, H) float64."""

@@ -10,7 +10,7 @@ buffers that go into the SAME vkQueueSubmit as the op's (CallTransfers), so a ca
 """
 import numpy as np
 
-from ..vk import CommandRecorder, VkmoeError
+from ..vk import CommandRecorder, DeviceClosedError, VkmoeError
 
 
 class DeviceArray:
@@ -171,3 +171,17 @@ class CallTransfers:
                 rec.close()
                 setattr(self, slot, None)
         self._recorded.clear()
+
+
+def close_recording(rec, sets=(), buffers=()):
+    """Free a recorded command buffer, the descriptor sets its commands use (the recorder does not free them)
+    and its buffers."""
+    try:
+        with rec.device.use():  # a concurrent Device.close() waits for this instead of racing it
+            rec.close()
+            for d in sets:
+                d.free()
+    except DeviceClosedError:
+        pass  # the device destroyed them with everything made from it
+    for b in buffers:
+        b.close()

@@ -10,9 +10,9 @@ import numpy as np
 
 from .. import knobs, layout
 from ..exl3 import Exl3Tensor
-from ..vk import CommandRecorder, DeviceClosedError
+from ..vk import CommandRecorder
 from . import kernels
-from .device_array import CallTransfers, DeviceArray, resolve_out
+from .device_array import CallTransfers, DeviceArray, close_recording, resolve_out
 from .host_arrays import describe, host_array, out_dtype_of
 from .plan import gemm_plan
 
@@ -42,15 +42,7 @@ def _check_x(x, k, device):
 
 
 def _close_call(xb, yb, rec, sets=()):
-    try:
-        with rec.device.use():  # a concurrent Device.close() waits for this instead of racing it
-            rec.close()
-            for d in sets:  # the recorder does not free the descriptor sets its commands use
-                d.free()
-    except DeviceClosedError:
-        pass  # the device destroyed them with everything made from it
-    xb.close()
-    yb.close()
+    close_recording(rec, sets, (xb, yb))
 
 
 def _release_linear(io, sets, scratch, owned):
@@ -124,28 +116,58 @@ class Exl3Linear:
             self._pinned.add(m)  # the caller's command buffer uses this m's scratch: never evicted
             self._record(cmd, x_buf, y_buf, m)
 
-    def _record(self, cmd, x_buf, y_buf, m):
-        """record()'s commands; returns the descriptor sets they use."""
+    def release_shape(self, m: int) -> None:
+        """Unpin an m that record() pinned, once no recording of the caller's uses it: its scratch goes now
+        unless __call__ caches that m too (then it goes with that entry)."""
+        with self._call_lock:
+            self._pinned.discard(m)
+            if m not in self._io:
+                for key in [k for k in self._scratch if k[0] == m]:
+                    for b in self._scratch.pop(key):
+                        b.close()
+
+    def stages(self, x_buf: "Buffer", y_buf: "Buffer", m: int):
+        """record()'s two dispatches as separate steps, for a caller that records other independent work between
+        them: [input Hadamard (reads x_buf), GEMM (writes y_buf)], each a function(cmd) -> descriptor set that
+        records one dispatch and no barrier; the caller puts a barrier after each. Pins m like record()."""
+        with self._call_lock:
+            self._pinned.add(m)
+            return self._stages(x_buf, y_buf, m)
+
+    def _stages(self, x_buf, y_buf, m):
         if x_buf.size < m * self.k * 2 or y_buf.size < m * self.n * 2:
             raise ValueError(f"x_buf needs {m * self.k * 2} bytes and y_buf {m * self.n * 2} for m={m}")
         plan, (xh, partial, counters) = self._scratch_for(m)
         dev = self.device
-        had = kernels.pipeline(dev, "exl3_had_in", kernels.HadInPush)
-        sets = [had.bind(x_buf, self._suh, xh)]
-        cmd.dispatch(had, sets[0], layout.had_in_grid(m, self.k), had.push(m=m, k=self.k))
-        cmd.barrier()
-        spec = {layout.SPEC_LINEAR_K: self.bits, layout.SPEC_LINEAR_CB: layout.CODEBOOKS[self.codebook],
-                layout.SPEC_LINEAR_HAS_BIAS: self.has_bias}
-        if plan.coop:
-            spec[layout.SPEC_F16_FMA_FUSED] = kernels.f16_fma_fused(dev)
-            gemm = kernels.pipeline(dev, kernels.coop_linear_name(dev, plan.rows), kernels.LinearPush, spec)
-        else:
-            spec[layout.SPEC_LINEAR_ROWS] = plan.rows
-            gemm = kernels.pipeline(dev, "exl3_linear", kernels.LinearPush, spec, decode=True)
-        sets.append(gemm.bind(xh, self._trellis, self._svh, self._bias, y_buf, partial, counters))
-        cmd.dispatch(gemm, sets[1], layout.linear_grid(plan, self.n),
-                     gemm.push(m=m, k=self.k, n=self.n, splits=plan.splits, kt_per_split=plan.kt_per_split))
-        cmd.barrier()
+
+        def had_in(cmd):
+            had = kernels.pipeline(dev, "exl3_had_in", kernels.HadInPush)
+            dset = had.bind(x_buf, self._suh, xh)
+            cmd.dispatch(had, dset, layout.had_in_grid(m, self.k), had.push(m=m, k=self.k))
+            return dset
+
+        def gemm(cmd):
+            spec = {layout.SPEC_LINEAR_K: self.bits, layout.SPEC_LINEAR_CB: layout.CODEBOOKS[self.codebook],
+                    layout.SPEC_LINEAR_HAS_BIAS: self.has_bias}
+            if plan.coop:
+                spec[layout.SPEC_F16_FMA_FUSED] = kernels.f16_fma_fused(dev)
+                pipe = kernels.pipeline(dev, kernels.coop_linear_name(dev, plan.rows), kernels.LinearPush, spec)
+            else:
+                spec[layout.SPEC_LINEAR_ROWS] = plan.rows
+                pipe = kernels.pipeline(dev, "exl3_linear", kernels.LinearPush, spec, decode=True)
+            dset = pipe.bind(xh, self._trellis, self._svh, self._bias, y_buf, partial, counters)
+            cmd.dispatch(pipe, dset, layout.linear_grid(plan, self.n),
+                         pipe.push(m=m, k=self.k, n=self.n, splits=plan.splits, kt_per_split=plan.kt_per_split))
+            return dset
+
+        return [had_in, gemm]
+
+    def _record(self, cmd, x_buf, y_buf, m):
+        """record()'s commands (each dispatch followed by a barrier); returns the descriptor sets they use."""
+        sets = []
+        for stage in self._stages(x_buf, y_buf, m):
+            sets.append(stage(cmd))
+            cmd.barrier()
         return sets
 
     # ---------------------------------------------------------------------------------------------- call

@@ -374,17 +374,28 @@ class Exl3MoeMlp:
         return (hidden_buf, ids_buf, weights_buf, out_buf, *g.buffers, *u.buffers, *d.buffers, scratch.route,
                 scratch.states, scratch.inter, scratch.partial, scratch.rows, scratch.sync)
 
-    def _record_split(self, cmd, scratch, buffers):
+    def _split_stages(self, scratch, buffers):
+        """The three split dispatches, each a function(cmd) -> descriptor set recording one dispatch (no barrier).
+        Routing (workgroup 0) and stage 1 (the rest) share the first; a barrier must follow each."""
         plan, dev = scratch.plan, self.device
         spec, push = self._spec(plan), self._push(plan)
-        route = kernels.pipeline(dev, "moe_route", MoePush, spec, binding_count=MOE_BINDINGS)
-        gate_up = kernels.pipeline(dev, "moe_gate_up", MoePush, spec, decode=True, binding_count=MOE_BINDINGS)
-        down = kernels.pipeline(dev, "moe_down", MoePush, spec, decode=True, binding_count=MOE_BINDINGS)
-        route_grid, gate_up_grid, down_grid = layout.split_grids(plan, self.H, self.I, self.gated)
-        sets = [route.bind(*buffers), gate_up.bind(*buffers), down.bind(*buffers)]
-        # routing (workgroup 0) and stage 1 (the rest) share the first dispatch; a barrier after each
-        for pipe, dset, grid in zip((route, gate_up, down), sets, (route_grid, gate_up_grid, down_grid)):
-            cmd.dispatch(pipe, dset, grid, push)
+        grids = layout.split_grids(plan, self.H, self.I, self.gated)
+
+        def stage(shader, decode, grid):
+            def run(cmd):
+                pipe = kernels.pipeline(dev, shader, MoePush, spec, decode=decode, binding_count=MOE_BINDINGS)
+                dset = pipe.bind(*buffers)
+                cmd.dispatch(pipe, dset, grid, push)
+                return dset
+            return run
+
+        return [stage(name, decode, grid) for (name, decode), grid in
+                zip((("moe_route", False), ("moe_gate_up", True), ("moe_down", True)), grids)]
+
+    def _record_split(self, cmd, scratch, buffers):
+        sets = []
+        for stage in self._split_stages(scratch, buffers):
+            sets.append(stage(cmd))
             cmd.barrier()
         return sets
 
@@ -434,13 +445,7 @@ class Exl3MoeMlp:
         (and call `reset_after_abort(m, top_k)` and re-run split if it says so). __call__ does all of that."""
         if m <= 0:
             return None
-        if not 1 <= top_k <= MAX_TOP_K:
-            raise ValueError(f"top_k={top_k}: expected 1 <= top_k <= {MAX_TOP_K}")
-        need = {"hidden_buf": m * self.H * 2, "ids_buf": m * top_k * 4, "weights_buf": m * top_k * 4,
-                "out_buf": m * self.H * 4}
-        for name, buf in zip(need, (hidden_buf, ids_buf, weights_buf, out_buf)):
-            if buf.size < need[name]:
-                raise ValueError(f"{name} holds {buf.size} bytes; m={m}, top_k={top_k} needs {need[name]}")
+        self._check_record(hidden_buf, ids_buf, weights_buf, out_buf, m, top_k)
         if mode not in ("split", "persistent"):
             raise ValueError(f"mode must be 'split' or 'persistent', got {mode!r}")
         with self._call_lock:
@@ -456,6 +461,47 @@ class Exl3MoeMlp:
                 raise ValueError(f"mode='persistent' is not possible here: {pplan.reason}")
             self._record_persistent(cmd, scratch, buffers, pplan)
         return scratch.plan
+
+    def _check_record(self, hidden_buf, ids_buf, weights_buf, out_buf, m, top_k):
+        if not 1 <= top_k <= MAX_TOP_K:
+            raise ValueError(f"top_k={top_k}: expected 1 <= top_k <= {MAX_TOP_K}")
+        need = {"hidden_buf": m * self.H * 2, "ids_buf": m * top_k * 4, "weights_buf": m * top_k * 4,
+                "out_buf": m * self.H * 4}
+        for name, buf in zip(need, (hidden_buf, ids_buf, weights_buf, out_buf)):
+            if buf.size < need[name]:
+                raise ValueError(f"{name} holds {buf.size} bytes; m={m}, top_k={top_k} needs {need[name]}")
+
+    def split_stages(self, hidden_buf: "Buffer", ids_buf: "Buffer", weights_buf: "Buffer", out_buf: "Buffer",
+                     m: int, top_k: int):
+        """record(mode="split")'s three dispatches as separate steps, for a caller that records independent work
+        beside them (vkmoe.ops.block): functions(cmd) -> descriptor set, each recording one dispatch and no
+        barrier; the caller puts a barrier after each. Arguments and pinning as record(); m >= 1."""
+        self._check_record(hidden_buf, ids_buf, weights_buf, out_buf, m, top_k)
+        with self._call_lock:
+            self._pinned.add((m, top_k))
+            scratch = self._scratch_for(m, top_k)
+        return self._split_stages(scratch, self._bindings(scratch, hidden_buf, ids_buf, weights_buf, out_buf))
+
+    def decided_mode(self, m: int, top_k: int, dispatch=None) -> str:
+        """"split" or "persistent": the mode vkmoe.sched picks now for a call of m tokens (for callers that record
+        the forward themselves, e.g. vkmoe.ops.block)."""
+        requested = parse_dispatch(dispatch if dispatch is not None else self._dispatch_arg)
+        with self._call_lock:
+            scratch = self._scratch_for(m, top_k)
+            return decide(self.device, scratch.plan, requested, self.E, self.H, self.I, self.gated,
+                          lambda: self.co_resident(scratch.plan), scratch.persistent_fits).mode
+
+    def release_shape(self, m: int, top_k: int) -> None:
+        """Unpin a shape record() pinned, once no recording of the caller's uses it any more: it becomes an
+        ordinary cached shape, freed when VKMOE_SHAPE_CACHE newer ones push it out."""
+        with self._call_lock:
+            self._pinned.discard((m, top_k))
+            self._evict_shapes(knobs.get("VKMOE_SHAPE_CACHE"))
+
+    def status_buffer(self, m: int, top_k: int):
+        """The buffer whose word layout.SYNC_ABORT holds the abort code of the last persistent launch for this
+        shape: a caller copies it behind its output in the same submission (as __call__ does)."""
+        return self._scratch_for(m, top_k).sync
 
     def aborted(self, m: int, top_k: int) -> int:
         """The abort code left by the last persistent launch for this batch shape (0 = none)."""

@@ -1,0 +1,176 @@
+// Router selection for one token (moe_router.comp's last arriving workgroup): the family's scores from the
+// token's fp32 logits, group-limited top-k (dots), top-k, normalisation, scales (vkmoe/models/routing.py is the
+// numpy twin of every step). Tie rule: equal selection scores pick the LOWER expert index (routing.py's stable
+// sort), equal group scores the lower group; slots come out in descending score order. The E loops are split
+// over the 256 invocations (E / 256 trips each), the top-k loop has top_k trips. Writes int32 ids (m, top_k) and
+// fp32 weights (m, top_k) for the routed experts; a hash token id outside the table gets ids -1, weight 0.
+//
+// Includer: declares FAMILY, logits[], bias[], expert_scale[], tid2eid[], input_ids[], ids_out[],
+// weights_out[] and a push block with E, top_k, n_group, topk_group, norm, has_bias, has_scale, vocab,
+// routed_scaling_factor and op_scale.
+#ifndef ROUTER_SELECT_GLSL
+#define ROUTER_SELECT_GLSL
+const uint NONE = 0xFFFFFFFFu;
+shared float s_score[ROUTE_MAX_EXPERTS];   // the weights' source: softmax / sigmoid / sqrt(softplus)
+shared float s_choice[ROUTE_MAX_EXPERTS];  // what selection ranks: score (+ bias), -inf outside kept groups
+shared uint s_taken[ROUTE_MAX_EXPERTS / 32u];
+shared float s_red[256];
+shared uint s_red_i[256];
+shared float s_group[ROUTER_MAX_GROUPS];
+shared uint s_sel[MAX_TOP_K];
+
+// (v, i) beats (bv, bi): larger score, or equal score and lower index (the tie rule)
+bool better(float v, uint i, float bv, uint bi) { return v > bv || (v == bv && i < bi); }
+
+float wg_sum(float v) {  // deterministic: subgroupAdd, then the subgroup sums in order
+    float s = subgroupAdd(v);
+    if (subgroupElect()) s_red[gl_SubgroupID] = s;
+    barrier();
+    float total = 0.0;
+    for (uint i = 0u; i < gl_NumSubgroups; i++) total += s_red[i];
+    barrier();
+    return total;
+}
+
+float wg_max(float v) {
+    float s = subgroupMax(v);
+    if (subgroupElect()) s_red[gl_SubgroupID] = s;
+    barrier();
+    float best = s_red[0];
+    for (uint i = 1u; i < gl_NumSubgroups; i++) best = max(best, s_red[i]);
+    barrier();
+    return best;
+}
+
+float sqrt_softplus(float z) {
+    if (z > SOFTPLUS_THRESHOLD) return sqrt(z);
+    float u = exp(z);
+    float d = 1.0 + u;  // log1p(u) accurate for small u: u * log(d) / (d - 1)
+    return sqrt(d == 1.0 ? u : log(d) * u / (d - 1.0));
+}
+
+// Every loop below has the same trip count in every invocation and guards its body: Mesa 22.3's lavapipe drops
+// the rest of a shader after loops whose trip count differs between invocations (see moe_stages.glsl).
+void scores(uint t, uint E) {
+    uint tid = gl_LocalInvocationID.x;
+    float zmax = -1.0 / 0.0, local = 0.0;
+    for (uint e0 = 0u; e0 < E; e0 += 256u) { uint e = e0 + tid; if (e < E) zmax = max(zmax, logits[t * E + e]); }
+    zmax = FAMILY == ROUTER_STD ? wg_max(zmax) : 0.0;
+    for (uint e0 = 0u; e0 < E; e0 += 256u) {
+        uint e = e0 + tid;
+        if (e < E) {
+            float z = logits[t * E + e], s;
+            if (FAMILY == ROUTER_STD) { s = exp(z - zmax); local += s; }
+            else if (FAMILY == ROUTER_DOTS) s = 1.0 / (1.0 + exp(-z));
+            else s = sqrt_softplus(z);
+            s_score[e] = s;
+        }
+    }
+    float total = FAMILY == ROUTER_STD ? wg_sum(local) : 1.0;
+    for (uint e0 = 0u; e0 < E; e0 += 256u) {
+        uint e = e0 + tid;
+        if (e < E) {
+            float s = FAMILY == ROUTER_STD ? s_score[e] / total : s_score[e];
+            s_score[e] = s;
+            s_choice[e] = pc.has_bias != 0u ? s + bias[e] : s;
+        }
+    }
+    if (tid < ROUTE_MAX_EXPERTS / 32u) s_taken[tid] = 0u;
+    barrier();
+}
+
+bool group_kept(uvec2 keep, uint g) { return ((g < 32u ? keep.x >> g : keep.y >> (g - 32u)) & 1u) != 0u; }
+
+// dots with n_group > 1: group score = sum of the group's top two choice values; the best topk_group groups
+// (ties: lower group index) stay, the others' experts drop to -inf. Every invocation ranks the groups (the same
+// answer everywhere), so no loop runs in one invocation only.
+void limit_groups(uint E) {
+    uint tid = gl_LocalInvocationID.x, groups = wg_uniform(pc.n_group), per = wg_uniform(E / pc.n_group);
+    uint g_own = min(tid, groups - 1u);
+    float a = -1.0 / 0.0, b = -1.0 / 0.0;
+    for (uint j = 0u; j < per; j++) {
+        float v = s_choice[g_own * per + j];
+        if (v > a) { b = a; a = v; } else if (v > b) b = v;
+    }
+    if (tid < groups) s_group[tid] = per >= 2u ? a + b : a;
+    barrier();
+    uvec2 keep = uvec2(0u);
+    for (uint r = 0u; r < wg_uniform(pc.topk_group); r++) {
+        float bv = -1.0 / 0.0; uint bi = NONE;
+        for (uint g = 0u; g < groups; g++)
+            if (!group_kept(keep, g) && better(s_group[g], g, bv, bi)) { bv = s_group[g]; bi = g; }
+        if (bi < 32u) keep.x |= 1u << bi; else keep.y |= 1u << (bi - 32u);
+    }
+    for (uint e0 = 0u; e0 < E; e0 += 256u) {
+        uint e = e0 + tid;
+        if (e < E && !group_kept(keep, e / per)) s_choice[e] = -1.0 / 0.0;
+    }
+    barrier();
+}
+
+// top_k rounds of a workgroup argmax over the experts not taken yet (the tie rule at every level).
+void select_topk(uint E) {
+    uint tid = gl_LocalInvocationID.x;
+    for (uint k = 0u; k < wg_uniform(pc.top_k); k++) {
+        float bv = -1.0 / 0.0; uint bi = NONE;
+        for (uint e0 = 0u; e0 < E; e0 += 256u) {
+            uint e = e0 + tid;
+            if (e < E && (s_taken[e >> 5] >> (e & 31u) & 1u) == 0u && better(s_choice[e], e, bv, bi)) {
+                bv = s_choice[e];
+                bi = e;
+            }
+        }
+        float sv = subgroupMax(bv);
+        uint si = subgroupMin(bv == sv ? bi : NONE);
+        if (subgroupElect()) { s_red[gl_SubgroupID] = sv; s_red_i[gl_SubgroupID] = si; }
+        barrier();
+        float v = s_red[0]; uint i = s_red_i[0];
+        for (uint g = 1u; g < gl_NumSubgroups; g++)
+            if (better(s_red[g], s_red_i[g], v, i)) { v = s_red[g]; i = s_red_i[g]; }
+        barrier();
+        if (tid == 0u) { s_sel[k] = i; s_taken[i >> 5] |= 1u << (i & 31u); }
+        barrier();
+    }
+}
+
+void hash_ids(uint t, uint E) {  // ids = tid2eid[input_ids[t]], in table order
+    uint tid = gl_LocalInvocationID.x;
+    int tok = input_ids[t];
+    bool ok = tok >= 0 && uint(tok) < pc.vocab;
+    if (tid < pc.top_k) {
+        int e = ok ? tid2eid[uint(tok) * pc.top_k + tid] : -1;
+        s_sel[tid] = e >= 0 && uint(e) < E ? uint(e) : NONE;
+    }
+    barrier();
+}
+
+// The chosen experts' scores, normalised over them (sum in slot order) and scaled; invocation s writes slot s.
+void write_weights(uint t) {
+    uint tid = gl_LocalInvocationID.x, top_k = wg_uniform(pc.top_k);
+    bool norm = FAMILY == ROUTER_SQRTSP || FAMILY == ROUTER_SQRTSP_HASH || pc.norm != 0u;
+    float total = 0.0;
+    for (uint k = 0u; k < top_k; k++) total += s_sel[k] == NONE ? 0.0 : s_score[s_sel[k]];
+    if (FAMILY != ROUTER_STD) total += 1e-20;
+    if (tid < top_k) {
+        uint e = s_sel[tid];
+        float w = e == NONE ? 0.0 : s_score[e];
+        if (norm) w = w / total;
+        if (FAMILY != ROUTER_STD) w *= pc.routed_scaling_factor;
+        if (pc.has_scale != 0u && e != NONE) w *= expert_scale[e];
+        ids_out[t * top_k + tid] = e == NONE ? -1 : int(e);
+        weights_out[t * top_k + tid] = w * pc.op_scale;
+    }
+}
+
+void router_select(uint t) {
+    uint E = wg_uniform(pc.E);
+    scores(t, E);
+    if (FAMILY == ROUTER_SQRTSP_HASH) {
+        hash_ids(t, E);
+    } else {
+        if (FAMILY == ROUTER_DOTS && wg_uniform(pc.n_group) > 1u) limit_groups(E);
+        select_topk(E);
+    }
+    write_weights(t);
+}
+#endif

@@ -1,0 +1,47 @@
+#version 450
+// The device block's elementwise steps, one pair of elements per invocation (grid folded into (x, y)):
+//   ELEM_TO_F16      c = fp16(a)                        an fp32 hidden rounded for the experts (a: fp32, c: fp16)
+//   ELEM_ACTIVATE    c = fp16(act(a, b))                shared expert: a = gate, b = up (fp16), in fp32 as
+//                                                       vkmoe/exl3/reference.py's _activate (act_limit included)
+//   ELEM_ADD_SHARED  c += a (· sigmoid(b[row]))         out (fp32) += shared output (fp16) · its gate
+#include "common.glsl"
+layout(local_size_x = 256) in;
+#include "generated/moe_layout.glsl"
+
+layout(std430, binding = 0) readonly buffer A { uint a[]; };
+layout(std430, binding = 1) readonly buffer B { uint b[]; };
+layout(std430, binding = 2) buffer C { uint c[]; };
+layout(push_constant) uniform Push { uint pairs; uint cols; uint mode; uint act; float limit; uint has_gate; } pc;
+
+float sigmoid(float x) { return 1.0 / (1.0 + exp(-x)); }
+
+float activate(float g, float u) {
+    float L = pc.limit;
+    if (pc.act == ACT_SWIGLU_OAI) {
+        if (L != 0.0) { g = min(g, L); u = clamp(u, -L, L); }
+        return (u + 1.0) * g * sigmoid(1.702 * g);
+    }
+    float x;
+    if (pc.act == ACT_SILU) x = g * sigmoid(g);
+    else if (pc.act == ACT_GELU) x = 0.5 * g * (1.0 + tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)));
+    else if (pc.act == ACT_GELU_ERF) x = 0.5 * g * (1.0 + erf_approx(g * 0.7071067811865476));
+    else x = max(u, 0.0);
+    if (L != 0.0) { x = min(x, L); u = clamp(u, -L, L); }
+    return x * u;
+}
+
+void main() {
+    uint p = (gl_WorkGroupID.y * gl_NumWorkGroups.x + gl_WorkGroupID.x) * 256u + gl_LocalInvocationID.x;
+    if (p >= pc.pairs) return;
+    if (pc.mode == ELEM_TO_F16) {
+        c[p] = packHalf2x16(vec2(uintBitsToFloat(a[2u * p]), uintBitsToFloat(a[2u * p + 1u])));
+    } else if (pc.mode == ELEM_ACTIVATE) {
+        vec2 u = unpackHalf2x16(b[p]), g = pc.act == ACT_RELU2 ? u : unpackHalf2x16(a[p]);
+        c[p] = packHalf2x16(vec2(activate(g.x, u.x), activate(g.y, u.y)));
+    } else {
+        float gate = pc.has_gate != 0u ? sigmoid(uintBitsToFloat(b[(2u * p) / pc.cols])) : 1.0;
+        vec2 s = unpackHalf2x16(a[p]) * gate;
+        c[2u * p] = floatBitsToUint(uintBitsToFloat(c[2u * p]) + s.x);
+        c[2u * p + 1u] = floatBitsToUint(uintBitsToFloat(c[2u * p + 1u]) + s.y);
+    }
+}

@@ -1,0 +1,256 @@
+"""SparseMoeBlock entirely on the Vulkan device (vkmoe.ops.block): against the float64 block for several
+architectures, ONE submission per call, a recorded block equal to block(hidden) bit for bit, a chain of blocks in
+one command buffer equal to the blocks run one by one, device arrays between blocks, and bad inputs."""
+import numpy as np
+import pytest
+
+from vkmoe.models import SparseMoeBlock, write_checkpoint
+from vkmoe.ops.device_array import DeviceArray
+from vkmoe.vk import CommandRecorder, VkmoeError
+from vkmoe.vk.commands import submission_count
+
+H = 256
+TOL = 3e-3  # relative RMS vs the float64 block, as tests/test_architectures.py
+
+ARCHS = {  # the router families, shared experts with and without a gate, act limits, interm_div, relu2
+    "qwen3_moe": dict(experts=8, top_k=2, layers=3),
+    "qwen3_next": dict(experts=8, top_k=2, shared_intermediate=256, layers=3),
+    "deepseek_v3": dict(experts=8, top_k=2, n_group=4, topk_group=2, shared_experts=1),
+    "deepseek_v4": dict(experts=8, top_k=2, layers=2, hash_layers=1, act_limit=1.5, shared_experts=1,
+                        routed_scaling_factor=1.5),
+    "nemotron_h": dict(experts=4, top_k=2, shared_intermediate=128),
+    "step3p5": dict(experts=4, top_k=2, shared_intermediate=128, act_limit=1.5, routed_scaling_factor=3.0),
+    "laguna": dict(experts=4, top_k=2, shared_intermediate=128, routed_scaling_factor=2.0),
+}
+
+
+@pytest.fixture(autouse=True)
+def _no_env_backend(monkeypatch):
+    monkeypatch.delenv("VKMOE_BACKEND", raising=False)
+
+
+@pytest.fixture(scope="module")
+def blocks(device, tmp_path_factory):
+    """{(arch, layer): block} on the session device, closed at the end."""
+    root = tmp_path_factory.mktemp("device_block")
+    made = {}
+    for i, (arch, kw) in enumerate(ARCHS.items()):
+        path = write_checkpoint(str(root / arch), arch=arch, hidden=H, intermediate=128, seed=20 + i, **kw)
+        for layer in range(kw.get("layers", 1)):
+            made[arch, layer] = SparseMoeBlock.from_checkpoint(path, layer, backend="vulkan", device=device)
+    yield made
+    for block in made.values():
+        block.close()
+
+
+def _hidden(m, seed, dtype=np.float16):
+    return np.random.default_rng(seed).standard_normal((m, H)).astype(dtype)
+
+
+def _tokens(block, m, seed):
+    if block.router != "sqrtsp_hash":
+        return None
+    return np.random.default_rng(seed).integers(0, block.config.vocab_size, m).astype(np.int32)
+
+
+def _rel_rms(got, want):
+    return float(np.sqrt(np.mean((got - want) ** 2)) / np.sqrt(np.mean(want ** 2)))
+
+
+@pytest.mark.parametrize("m", [1, 7])
+@pytest.mark.parametrize("key", [(a, layer) for a, kw in ARCHS.items() for layer in range(min(2, kw.get("layers", 1)))],
+                         ids=lambda k: f"{k[0]}-{k[1]}")
+def test_block_on_device_matches_float64(blocks, key, m):
+    block = blocks[key]
+    assert block.device_block is not None
+    x, ids = _hidden(m, seed=m + key[1]), _tokens(block, m, seed=m)
+    got = block(x, input_ids=ids)
+    assert block.last_run["where"].startswith("device") and block.last_run["mode"] in ("split", "persistent")
+    assert got.dtype == np.float32 and np.isfinite(got).all()
+    want = block.reference(x, input_ids=ids)
+    assert _rel_rms(got, want) < TOL
+    # the device router picked the float64 router's experts (no near ties in random data)
+    dev_ids = block.device_block.router(x, ids)[0]
+    assert np.array_equal(np.sort(dev_ids, axis=1), np.sort(block.route(x.astype(np.float64), ids,
+                                                                        dtype=np.float64)[0], axis=1))
+
+
+def test_fp32_hidden_routes_on_fp32(blocks):
+    block = blocks["deepseek_v3", 0]
+    x = _hidden(5, seed=3, dtype=np.float32)
+    assert _rel_rms(block(x), block.reference(x)) < TOL
+
+
+def test_one_submission_per_call(blocks, device):
+    for key in (("qwen3_moe", 0), ("qwen3_next", 0), ("deepseek_v4", 0)):
+        block = blocks[key]
+        x, ids = _hidden(3, seed=5), _tokens(block, 3, seed=5)
+        first = block(x, input_ids=ids)
+        before = submission_count()
+        again = block(x, input_ids=ids)
+        assert submission_count() - before == 1, key
+        assert np.array_equal(first, again)
+        with DeviceArray.from_numpy(device, x) as xd, DeviceArray.empty(device, x.shape, np.float32) as out:
+            before = submission_count()
+            assert block(xd, input_ids=ids, out=out) is out
+            assert submission_count() - before == 1
+            assert np.array_equal(out.numpy(), first)
+
+
+def _poisoned(device, m):
+    return DeviceArray.from_numpy(device, np.full((m, H), np.nan, np.float32))
+
+
+@pytest.mark.parametrize("key", [("qwen3_next", 0), ("deepseek_v4", 0), ("deepseek_v3", 0)],
+                         ids=lambda k: f"{k[0]}-{k[1]}")
+def test_recorded_block_equals_call(blocks, device, key):
+    block = blocks[key]
+    x, ids = _hidden(4, seed=8), _tokens(block, 4, seed=8)
+    want = block(x, input_ids=ids)
+    xd, out = DeviceArray.from_numpy(device, x), _poisoned(device, 4)
+    idd = None if ids is None else DeviceArray.from_numpy(device, ids)
+    with CommandRecorder(device) as rec:
+        rec.begin()
+        block.record(rec, xd, out, input_ids=idd)
+        rec.end()
+        rec.submit(wait=True)
+    assert np.array_equal(out.numpy(), want)
+    for a in (xd, out, idd):
+        if a is not None:
+            a.close()
+
+
+def test_chain_of_blocks_in_one_submission(blocks, device):
+    """Three layers recorded back to back (each reads the previous one's fp32 output) == one by one, with device
+    arrays passed between the calls, and == numpy calls."""
+    chain = [blocks["qwen3_next", i] for i in range(3)]
+    x = _hidden(2, seed=9)
+    outs = [_poisoned(device, 2) for _ in chain]
+    with DeviceArray.from_numpy(device, x) as xd, CommandRecorder(device) as rec:
+        rec.begin()
+        src = xd
+        for block, out in zip(chain, outs):
+            block.record(rec, src, out)
+            src = out
+        rec.end()
+        before = submission_count()
+        rec.submit(wait=True)
+        assert submission_count() - before == 1
+        chained = outs[-1].numpy()
+        step = xd
+        for block in chain:
+            nxt = block(step, out="device")
+            if step is not xd:
+                step.close()
+            step = nxt
+        assert np.array_equal(step.numpy(), chained)
+        step.close()
+    y = x
+    for block in chain:
+        y = block(y)
+    assert np.array_equal(y, chained)
+    for o in outs:
+        o.close()
+
+
+def test_bad_device_inputs(blocks, device, dev):
+    block, hash_block = blocks["qwen3_moe", 0], blocks["deepseek_v4", 0]
+    x = _hidden(2, seed=1)
+    with DeviceArray.from_numpy(dev, x) as foreign:
+        with pytest.raises(ValueError, match="hidden is a DeviceArray on"):
+            block(foreign)
+    with DeviceArray.from_numpy(device, x.astype(np.float64)) as wide:
+        with pytest.raises(TypeError, match="hidden must be float16 or float32"):
+            block(wide)
+    with DeviceArray.from_numpy(device, x[:, :128]) as narrow:
+        with pytest.raises(ValueError, match=r"hidden must have shape \(m, 256\)"):
+            block(narrow)
+    closed = DeviceArray.from_numpy(device, x)
+    closed.close()
+    with pytest.raises(VkmoeError, match="hidden is a closed DeviceArray"):
+        block(closed)
+    with DeviceArray.from_numpy(device, x) as xd, CommandRecorder(device) as rec:
+        rec.begin()
+        with DeviceArray.empty(device, (2, H), np.float16) as half:
+            with pytest.raises(TypeError, match="out must be float32"):
+                block.record(rec, xd, half)
+        with DeviceArray.empty(device, (3, H), np.float32) as rows:
+            with pytest.raises(ValueError, match=r"out must have shape \(2, 256\)"):
+                block.record(rec, xd, rows)
+        with pytest.raises(TypeError, match="out: expected a vkmoe DeviceArray"):
+            block.record(rec, xd, np.zeros((2, H), np.float32))
+        with DeviceArray.empty(device, (2, H), np.float32) as out:
+            with pytest.raises(TypeError, match="input_ids: layer 0 is hash-routed"):
+                hash_block.record(rec, xd, out)
+            with DeviceArray.from_numpy(device, np.zeros(2, np.int64)) as ids64:
+                with pytest.raises(TypeError, match="input_ids must be int32"):
+                    hash_block.record(rec, xd, out, input_ids=ids64)
+        rec.end()
+    with pytest.raises(ValueError, match=r"input_ids: expected token ids in \[0, 64\)"):
+        hash_block(x, input_ids=np.array([0, 64]))
+
+
+def test_gemma4_norms_on_the_device(tmp_path, device):
+    """Gemma 4: the router pre-norm, routed-in/out and shared-out RMSNorms run on the device too; the residual
+    goes in as numpy or a DeviceArray (fp16 or fp32), and record() with it equals the call."""
+    path = write_checkpoint(str(tmp_path / "g"), arch="gemma4", hidden=H, intermediate=128, experts=4, top_k=2,
+                            shared_intermediate=256, seed=3)
+    gemma = SparseMoeBlock.from_checkpoint(path, 0, backend="vulkan", device=device)
+    assert gemma.device_block is not None and gemma.norms is not None
+    x = _hidden(3, seed=2)
+    r = (3 * np.random.default_rng(4).standard_normal((3, H))).astype(np.float32)
+    got = gemma(x, residual=r)
+    assert gemma.last_run["where"].startswith("device")
+    assert _rel_rms(got, gemma.reference(x, residual=r)) < TOL
+    r16 = r.astype(np.float16)
+    assert _rel_rms(gemma(x, residual=r16), gemma.reference(x, residual=r16)) < TOL
+    with pytest.raises(ValueError, match="residual: gemma4 routes"):
+        gemma(x)
+    with DeviceArray.from_numpy(device, x) as xd, DeviceArray.from_numpy(device, r) as rd, \
+            _poisoned(device, 3) as out, CommandRecorder(device) as rec:
+        assert np.array_equal(gemma(xd, residual=rd), got)
+        rec.begin()
+        with pytest.raises(TypeError, match="residual: expected a vkmoe DeviceArray"):
+            gemma.record(rec, xd, out)
+        gemma.record(rec, xd, out, residual=rd)
+        rec.end()
+        rec.submit(wait=True)
+        assert np.array_equal(out.numpy(), got)
+    gemma.close()
+
+
+def test_cpu_block_keeps_the_host_path(tmp_path):
+    path = write_checkpoint(str(tmp_path / "q"), arch="qwen3_moe", hidden=H, intermediate=128, experts=4, top_k=2)
+    cpu = SparseMoeBlock.from_checkpoint(path, 0, backend="cpu")
+    assert cpu.device_block is None
+    x = _hidden(3, seed=2)
+    assert _rel_rms(cpu(x), cpu.reference(x)) < TOL and cpu.last_run["mode"] == "cpu"
+
+
+def test_persistent_routed_experts_inside_the_block(blocks, monkeypatch):
+    """VKMOE_DISPATCH=persistent: the routed experts run as the scheduler decides (persistent where the device
+    allows it, its abort word read in the same submission), the block output still matches."""
+    monkeypatch.setenv("VKMOE_DISPATCH", "persistent")
+    block = blocks["qwen3_next", 0]
+    x = _hidden(3, seed=21)
+    want = block.moe.decided_mode(3, block.config.top_k)
+    block(x)
+    before = submission_count()
+    got = block(x)
+    assert submission_count() - before == 1
+    assert block.device_block.last_mode == want
+    assert _rel_rms(got, block.reference(x)) < TOL
+
+
+def test_shape_cache_bounds_the_calls(blocks, monkeypatch):
+    """VKMOE_SHAPE_CACHE=2: a block called with many m keeps two recordings, frees the rest with their scratch
+    (and unpins them in the routed-expert op), and an m that comes back is recorded again with the same result."""
+    monkeypatch.setenv("VKMOE_SHAPE_CACHE", "2")
+    block = blocks["deepseek_v3", 0]
+    dev_block = block.device_block
+    first = block(_hidden(1, seed=30))
+    for m in (2, 3, 5, 6):
+        block(_hidden(m, seed=30 + m))
+    assert len(dev_block._calls) == 2 and 1 not in dev_block._scratch
+    assert (1, block.config.top_k) not in block.moe._pinned
+    assert np.array_equal(block(_hidden(1, seed=30)), first)

@@ -1,0 +1,184 @@
+"""The device router (vkmoe.ops.router: shaders/moe_router.comp, GEMV + selection in one dispatch) against the
+float64 reference and the numpy router of every family, exact ties (the lower expert index wins, as in
+vkmoe.models.routing), a token whose scores are all equal, m = 1 and a larger m."""
+import numpy as np
+import pytest
+
+from vkmoe.models.routing import router_logits, sigmoid_group_topk, softmax_topk, sqrtsp_hash, sqrtsp_topk
+from vkmoe.ops.router import DeviceRouter, weight_words
+
+E, H, K = 64, 256, 6
+
+
+def _weights(seed, dtype=np.float16):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((E, H)) / 16).astype(dtype)
+
+
+def _hidden(m, seed, dtype=np.float16):
+    return np.random.default_rng(100 + seed).standard_normal((m, H)).astype(dtype)
+
+
+BIAS = (np.random.default_rng(7).standard_normal(E) * 0.1).astype(np.float32)
+SCALE = np.linspace(0.5, 2.0, E).astype(np.float32)
+
+# (family, DeviceRouter keywords, numpy router of the logits)
+CASES = {
+    "std_norm": ("std", dict(norm=True), lambda z: softmax_topk(z, K, True)),
+    "std_plain": ("std", dict(norm=False), lambda z: softmax_topk(z, K, False)),
+    "std_per_expert_scale": ("std", dict(norm=True, per_expert_scale=SCALE), lambda z: softmax_topk(z, K, True, SCALE)),
+    "dots_bias": ("dots", dict(bias=BIAS, norm=True, routed_scaling_factor=2.5),
+                  lambda z: sigmoid_group_topk(z, BIAS, K, 1, 1, True, 2.5)),
+    "dots_groups": ("dots", dict(bias=BIAS, n_group=8, topk_group=3, norm=True, routed_scaling_factor=1.5),
+                    lambda z: sigmoid_group_topk(z, BIAS, K, 8, 3, True, 1.5)),
+    "dots_no_norm": ("dots", dict(norm=False, routed_scaling_factor=1.0),
+                     lambda z: sigmoid_group_topk(z, None, K, 1, 1, False, 1.0)),
+    "sqrtsp": ("sqrtsp", dict(bias=BIAS, routed_scaling_factor=1.5), lambda z: sqrtsp_topk(z, BIAS, K, 1.5)),
+}
+
+
+def _route(device, family, weight, x, tokens=None, **kw):
+    router = DeviceRouter(device, family, weight, K, **kw)
+    try:
+        return router(x, tokens)
+    finally:
+        router.close()
+
+
+@pytest.mark.parametrize("m", [1, 37])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_router_matches_float64_reference(device, case, m):
+    family, kw, numpy_router = CASES[case]
+    w, x = _weights(m), _hidden(m, seed=len(case))
+    ids, wts = _route(device, family, w, x, **kw)
+    ids64, w64 = numpy_router(router_logits(x, w, np.float64))
+    assert ids.dtype == np.int64 and wts.dtype == np.float32
+    assert np.array_equal(ids, ids64), "no near ties in random data: ids must equal the float64 router's"
+    np.testing.assert_allclose(wts, w64, rtol=2e-6, atol=1e-7)
+    ids32, _ = numpy_router(router_logits(x, w, np.float32))
+    assert np.array_equal(ids, ids32)
+
+
+def test_router_fp32_hidden_and_bf16_weight(device):
+    """bf16 router weights (widened to fp32 exactly by the checkpoint reader) go up as bf16; fp32 hidden."""
+    w = _weights(3, np.float32)
+    w = (w.view(np.uint32) & 0xFFFF0000).view(np.float32)  # bf16 values
+    assert weight_words(w)[1] == "bfloat16"
+    x = _hidden(9, seed=4, dtype=np.float32)
+    ids, wts = _route(device, "std", w, x, norm=True)
+    ids64, w64 = softmax_topk(router_logits(x, w, np.float64), K, True)
+    assert np.array_equal(ids, ids64)
+    np.testing.assert_allclose(wts, w64, rtol=2e-6, atol=1e-7)
+
+
+def test_interm_div_scales_the_weights(device):
+    w, x = _weights(5), _hidden(4, seed=5)
+    ids, wts = _route(device, "dots", w, x, bias=BIAS, routed_scaling_factor=2.0, op_scale=128.0)
+    ids64, w64 = sigmoid_group_topk(router_logits(x, w, np.float64), BIAS, K, 1, 1, True, 2.0)
+    assert np.array_equal(ids, ids64)
+    np.testing.assert_allclose(wts, 128.0 * w64, rtol=2e-6)
+
+
+def test_hash_router_reads_the_table(device):
+    rng = np.random.default_rng(11)
+    V = 50
+    table = np.stack([rng.permutation(E)[:K] for _ in range(V)])
+    w, x = _weights(6), _hidden(13, seed=6)
+    tokens = rng.integers(0, V, 13)
+    ids, wts = _route(device, "sqrtsp_hash", w, x, tokens=tokens, tid2eid=table, routed_scaling_factor=1.5)
+    ids64, w64 = sqrtsp_hash(router_logits(x, w, np.float64), table[tokens], 1.5)
+    assert np.array_equal(ids, ids64)
+    np.testing.assert_allclose(wts, w64, rtol=2e-6, atol=1e-7)
+
+
+def _exact_logits(values):
+    """A weight and hidden whose logits are exactly `values` (m, E) in every summation order: column 0 of x is
+    1, W[:, 0] the values (small integers / 4), everything else 0."""
+    values = np.asarray(values, np.float64)
+    w = np.zeros((values.shape[1], H), np.float16)
+    x = np.zeros((values.shape[0], H), np.float16)
+    x[:, 0] = 1.0
+    assert values.shape[0] == 1
+    w[:, 0] = values[0]
+    return w, x
+
+
+TIE_FAMILIES = {
+    "std": (dict(norm=True), lambda z: softmax_topk(z, K, True)),
+    "dots": (dict(norm=True, routed_scaling_factor=1.0), lambda z: sigmoid_group_topk(z, None, K, 1, 1, True, 1.0)),
+    "sqrtsp": (dict(routed_scaling_factor=1.0), lambda z: sqrtsp_topk(z, None, K, 1.0)),
+}
+
+
+@pytest.mark.parametrize("family", sorted(TIE_FAMILIES))
+def test_exact_ties_pick_the_lower_index(device, family):
+    kw, numpy_router = TIE_FAMILIES[family]
+    vals = np.zeros((1, E))
+    vals[0, [3, 9, 17, 40, 41, 63]] = 2.0       # six tied at the top ...
+    vals[0, [5, 6, 50]] = 1.25                   # ... three tied next
+    vals[0, [2]] = 3.0
+    w, x = _exact_logits(vals)
+    ids, wts = _route(device, family, w, x, **kw)
+    ids_np, w_np = numpy_router(router_logits(x, w, np.float64))
+    assert ids.tolist() == [[2, 3, 9, 17, 40, 41]] == ids_np.tolist()
+    np.testing.assert_allclose(wts, w_np, rtol=2e-6)
+    assert wts[0, 1] == wts[0, 5]  # tied experts get bit-equal weights
+
+
+@pytest.mark.parametrize("family", sorted(TIE_FAMILIES))
+def test_token_with_all_scores_equal(device, family):
+    kw, numpy_router = TIE_FAMILIES[family]
+    w, x = _weights(8), np.zeros((3, H), np.float16)  # every logit 0
+    ids, wts = _route(device, family, w, x, **kw)
+    assert ids.tolist() == [list(range(K))] * 3 == numpy_router(np.zeros((3, E)))[0].tolist()
+    np.testing.assert_allclose(wts, numpy_router(np.zeros((3, E)))[1], rtol=2e-6)
+
+
+def test_group_ties_pick_the_lower_group(device):
+    """dots, 8 groups of 8, top 3 groups: group 2 leads, groups 1, 4 and 6 tie on their top-2 sums (the same two
+    scores); groups 1 and 4 stay."""
+    vals = np.full((1, E), -2.0)
+    for g, top in ((1, (1.0, 0.5)), (4, (0.5, 1.0)), (6, (1.0, 0.5)), (2, (2.0, 0.0))):
+        vals[0, g * 8 + 2], vals[0, g * 8 + 5] = top
+    w, x = _exact_logits(vals)
+    z = router_logits(x, w, np.float64)
+    ids_np, w_np = sigmoid_group_topk(z, None, K, 8, 3, True, 1.0)
+    ids, wts = _route(device, "dots", w, x, n_group=8, topk_group=3, norm=True)
+    assert np.array_equal(ids, ids_np)
+    assert set(ids_np[0] // 8) == {1, 2, 4}  # group 6 lost the tie to 1 and 4
+    np.testing.assert_allclose(wts, w_np, rtol=2e-6)
+
+
+def test_router_refuses_bad_arguments(device):
+    w = _weights(0)
+    with pytest.raises(ValueError, match="family"):
+        DeviceRouter(device, "softmax", w, K)
+    with pytest.raises(ValueError, match="top_k=65"):
+        DeviceRouter(device, "std", w, 65)
+    with pytest.raises(ValueError, match="n_group=5"):
+        DeviceRouter(device, "dots", w, K, n_group=5, topk_group=2)
+    with pytest.raises(ValueError, match="tid2eid"):
+        DeviceRouter(device, "sqrtsp_hash", w, K)
+    r = DeviceRouter(device, "std", w, K)
+    with pytest.raises(ValueError, match=r"hidden: expected \(m, 256\)"):
+        r(np.zeros((2, 128), np.float16))
+    r.close()
+
+
+def test_router_at_the_size_limits(device):
+    """E = 1024 (the op's limit) and H = 4096: 128 GEMV workgroups per token, the last of which selects; every
+    loop stays far below Mesa 22.3's 65,536-iteration cap."""
+    rng = np.random.default_rng(40)
+    E_big, H_big = 1024, 4096
+    w = (rng.standard_normal((E_big, H_big)) / 64).astype(np.float16)
+    x = rng.standard_normal((3, H_big)).astype(np.float16)
+    bias = (0.05 * rng.standard_normal(E_big)).astype(np.float32)
+    router = DeviceRouter(device, "dots", w, 8, bias=bias, n_group=16, topk_group=4, norm=True,
+                          routed_scaling_factor=2.5)
+    try:
+        ids, wts = router(x)
+    finally:
+        router.close()
+    ids64, w64 = sigmoid_group_topk(router_logits(x, w, np.float64), bias, 8, 16, 4, True, 2.5)
+    assert np.array_equal(ids, ids64)
+    np.testing.assert_allclose(wts, w64, rtol=2e-6, atol=1e-7)

@@ -1,0 +1,319 @@
+"""A whole MoE block on one Vulkan device: router, routed experts, shared experts and the sum, recorded into one
+command buffer (vkmoe.models.SparseMoeBlock builds it for the vulkan backend; docs/DESIGN.md, "The device block").
+
+Phases (one barrier after each; the dispatches inside a phase are independent), split mode:
+    [fp32 hidden -> fp16 | Gemma 4: router / routed-in RMSNorms]
+    router (one dispatch), shared gate GEMV, shared up + gate input Hadamards
+    routed: routing + stage 1, shared up + gate GEMMs
+    routed: gate/up GEMM, shared activation
+    routed: down GEMM, shared down input Hadamard
+    shared down GEMM
+    [Gemma 4: routed-out RMSNorm] -> out += shared (· sigmoid(gate)) (Gemma 4: += RMSNorm(shared))
+Without a shared expert: router, then the routed experts' three. A persistent routed launch runs alone, after the
+shared expert's phases.
+"""
+from collections import OrderedDict
+import itertools
+import threading
+
+import numpy as np
+
+from .. import knobs, layout
+from ..vk import CommandRecorder, PushConstants
+from . import kernels
+from .device_array import CallTransfers, DeviceArray, close_recording, resolve_out
+from .router import RouterGemv, check_tokens
+
+POISON_F32 = 0x7FC00000  # the output is NaN-filled before the block runs: an element it forgets shows up
+
+
+class ElemPush(PushConstants):
+    fields = [("pairs", "<u4"), ("cols", "<u4"), ("mode", "<u4"), ("act", "<u4"), ("limit", "<f4"),
+              ("has_gate", "<u4")]
+
+
+class NormPush(PushConstants):
+    fields = [("H", "<u4"), ("eps", "<f4"), ("scale", "<f4"), ("x_f32", "<u4"), ("y_f32", "<u4"),
+              ("accumulate", "<u4")]
+
+
+class _Scratch:
+    """The device buffers of one batch size m (all device-local; a caller's recording may use them). z16, e16:
+    Gemma 4's normed router input and routed-expert input."""
+
+    def __init__(self, device, m, H, E, top_k, shared_n, normed):
+        names = ["x16", "logits", "ids", "weights", "gate_logits", "u", "g", "p", "s", "z16", "e16"]
+        sizes = [m * H * 2, m * E * 4, m * top_k * 4, m * top_k * 4, m * 4, m * shared_n * 2, m * shared_n * 2,
+                 m * shared_n * 2, m * H * 2, m * H * 2 * normed, m * H * 2 * normed]
+        self.buffers = device.memory.allocate_all([max(16, n) for n in sizes])
+        for name, buf in zip(names, self.buffers):
+            setattr(self, name, buf)
+
+    def close(self):
+        for b in self.buffers:
+            b.close()
+
+
+class DeviceMoeBlock:
+    """router: a vkmoe.ops.router.DeviceRouter (closed with the block); moe: the Exl3MoeMlp of the routed
+    experts; shared: None or {"up", "down"[, "gate"]} Exl3Linear (gate absent when the activation is gateless);
+    shared_gate_weight: None or (1, H) (sigmoid gate of the shared output); activation / shared_act_limit: the
+    shared expert's; norms: None or {"router", "routed_in", "routed_out", "shared_out": (H,) RMSNorm weight}
+    with `eps` (Gemma 4: the router and the routed experts read the normed residual, which calls then pass)."""
+
+    def __init__(self, device, router, moe, top_k, shared=None, shared_gate_weight=None, activation="silu",
+                 shared_act_limit=0.0, norms=None, eps=1e-6):
+        self.device, self.router, self.moe, self.top_k = device, router, moe, top_k
+        self.H, self.E = moe.H, router.E
+        self.shared = shared
+        self.shared_n = shared["up"].n if shared else 0
+        self.gate_gemv = RouterGemv(device, shared_gate_weight) if shared_gate_weight is not None else None
+        self.act, self.act_limit = layout.ACTIVATIONS[activation], float(shared_act_limit)
+        self.norms, self.eps = None, float(eps)
+        if norms is not None:
+            self.norms = {role: device.memory.allocate(self.H * 4) for role in norms}
+            for role, weight in norms.items():
+                self.norms[role].upload(np.ascontiguousarray(weight, dtype=np.float32))
+        self._scratch = {}   # m -> _Scratch
+        # (m, input dtypes, mode) -> (input buffers, out buffer, recorder, descriptor sets) of __call__, least
+        # recently used first: at most VKMOE_SHAPE_CACHE; an evicted m's scratch goes unless record() pinned it.
+        self._calls = OrderedDict()
+        self._pinned = set()  # the m of every record() by a caller: its command buffer uses that scratch
+        self._dummy = device.memory.allocate(16)  # the token ids of a router that reads none
+        self._transfers = CallTransfers(device)
+        self._lock = threading.RLock()  # one call at a time: the scratch and io buffers are per block
+        self.last_gpu_ms = None
+        self.last_mode = None
+
+    # --------------------------------------------------------------------------------------------- record
+    def _scratch_for(self, m):
+        if m not in self._scratch:
+            self._scratch[m] = _Scratch(self.device, m, self.H, self.E, self.top_k, self.shared_n,
+                                        self.norms is not None)
+        return self._scratch[m]
+
+    def _elem(self, cmd, mode, bufs, elements, cols=1, has_gate=False):
+        pipe = kernels.pipeline(self.device, "moe_block_elem", ElemPush)
+        dset = pipe.bind(*bufs)
+        pairs = elements // 2
+        cmd.dispatch(pipe, dset, layout.fold_grid(layout.ceil_div(pairs, layout.WORKGROUP_SIZE)),
+                     ElemPush(pairs=pairs, cols=cols, mode=mode, act=self.act, limit=self.act_limit,
+                              has_gate=int(has_gate)))
+        return dset
+
+    def _rmsnorm(self, cmd, role, x_buf, x_f32, y_buf, y_f32, m, scale=1.0, accumulate=False):
+        pipe = kernels.pipeline(self.device, "moe_block_rmsnorm", NormPush)
+        dset = pipe.bind(x_buf, self.norms[role], y_buf)
+        cmd.dispatch(pipe, dset, m, NormPush(H=self.H, eps=self.eps, scale=scale, x_f32=int(x_f32),
+                                             y_f32=int(y_f32), accumulate=int(accumulate)))
+        return dset
+
+    def record_buffers(self, cmd, x_buf, x_f32, tokens_buf, out_buf, m, mode="split", residual=None, pin=True):
+        """Append the block for m tokens: x_buf (m, H) fp32 (x_f32) or fp16, tokens_buf (m,) int32 token ids
+        (hash-routed layers; else None), out_buf receives (m, H) fp32; residual: (buffer, is fp32) of the
+        residual stream (Gemma 4 only). Ends with a barrier. Returns the descriptor sets the commands use (the
+        caller frees them with its recording). mode: the routed experts' (Exl3MoeMlp.record: "persistent" needs
+        `aborted(m)` checked after the submission). pin: keep this m's scratch for good (a caller's recording).
+        Independent dispatches share a phase; one barrier closes each phase (docs/DESIGN.md)."""
+        check_tokens(m)
+        with self._lock:
+            s = self._scratch_for(m)
+            if pin:
+                self._pinned.add(m)
+        sets = []
+        for phase in self._phases(x_buf, x_f32, tokens_buf or self._dummy, out_buf, m, mode, residual, s):
+            for step in phase:
+                sets.append(step(cmd))
+            cmd.barrier()
+        return [d for d in sets if d is not None]
+
+    def _phases(self, x_buf, x_f32, tokens_buf, out_buf, m, mode, residual, s):
+        """Lists of steps (function(cmd) -> descriptor set or None); the steps of a phase are independent."""
+        pre, x16 = [], x_buf
+        if x_f32:  # the experts read fp16; the router reads the fp32 hidden itself
+            pre.append(lambda cmd: self._elem(cmd, layout.ELEM_TO_F16, (x_buf, x_buf, s.x16), m * self.H))
+            x16 = s.x16
+        router_in, router_f32, experts_in = x_buf, x_f32, x16
+        if self.norms is not None:  # Gemma 4: router and routed experts read the normed residual (fp16)
+            r_buf, r_f32 = residual
+            pre.append(lambda cmd: self._rmsnorm(cmd, "router", r_buf, r_f32, s.z16, False, m, scale=self.H ** -0.5))
+            pre.append(lambda cmd: self._rmsnorm(cmd, "routed_in", r_buf, r_f32, s.e16, False, m))
+            router_in, router_f32, experts_in = s.z16, False, s.e16
+        steps = self.router.steps(router_in, router_f32, tokens_buf, s.logits, s.ids, s.weights, m)
+        shared = self._shared_phases(x16, s, m) if self.shared else [[]]
+        if mode == "split":
+            routed = [[st] for st in self.moe.split_stages(experts_in, s.ids, s.weights, out_buf, m, self.top_k)]
+            later = [r + sh for r, sh in itertools.zip_longest(routed, shared[1:], fillvalue=[])]
+        else:  # a persistent launch wants the whole device: nothing runs beside it
+            def persistent(cmd):
+                self.moe.record(cmd, experts_in, s.ids, s.weights, out_buf, m, self.top_k, mode=mode)
+            later = shared[1:] + [[persistent]]
+        phases = ([pre] if pre else []) + [steps + shared[0]] + later
+        if self.norms is not None:
+            phases.append([lambda cmd: self._rmsnorm(cmd, "routed_out", out_buf, True, out_buf, True, m)])
+        if self.shared:
+            phases.append([lambda cmd: self._shared_sum(cmd, s, out_buf, m)])
+        return phases
+
+    def _shared_phases(self, x16, s, m):
+        """The shared expert's phases: [up and gate input Hadamards, gate GEMV] (beside the router), [up and
+        gate GEMMs], [activation], [down's input Hadamard], [down's GEMM] (beside the routed experts' split
+        dispatches)."""
+        ops = self.shared
+        up = ops["up"].stages(x16, s.u, m)
+        gate = ops["gate"].stages(x16, s.g, m) if "gate" in ops else [None, None]
+        first = [up[0]] + ([gate[0]] if gate[0] else [])
+        if self.gate_gemv is not None:  # sigmoid gate logits from the fp16 hidden, as the host path
+            first.append(lambda cmd: self.gate_gemv.record(cmd, x16, False, s.gate_logits, m))
+        second = [up[1]] + ([gate[1]] if gate[1] else [])
+        act = lambda cmd: self._elem(cmd, layout.ELEM_ACTIVATE, (s.g, s.u, s.p), m * self.shared_n)  # noqa: E731
+        down = ops["down"].stages(s.p, s.s, m)
+        return [first, second, [act], [down[0]], [down[1]]]
+
+    def _shared_sum(self, cmd, s, out_buf, m):
+        if self.norms is not None:  # out += RMSNorm(shared), in fp32
+            return self._rmsnorm(cmd, "shared_out", s.s, False, out_buf, True, m, accumulate=True)
+        return self._elem(cmd, layout.ELEM_ADD_SHARED, (s.s, s.gate_logits, out_buf), m * self.H, cols=self.H,
+                          has_gate=self.gate_gemv is not None)
+
+    # ----------------------------------------------------------------------------------------------- call
+    def check_hidden(self, hidden, name="hidden"):
+        """A DeviceArray hidden must be this device's, (m, H), float16 or float32, open."""
+        hidden.check(name, self.device, (None, self.H), hidden.dtype)
+        if hidden.dtype not in (np.float16, np.float32):
+            raise TypeError(f"{name} must be float16 or float32, got a DeviceArray of {hidden.dtype}")
+        return hidden
+
+    def check_tokens_array(self, tokens, m):
+        return tokens.check("input_ids", self.device, (m,), np.int32)
+
+    def record(self, cmd, hidden, out, tokens=None, mode="split", residual=None):
+        """DeviceArray form of record_buffers: hidden (m, H) float16/float32, out (m, H) float32, tokens (m,)
+        int32 or None, residual (m, H) float16/float32 (Gemma 4) or None (checked: device, shape, dtype, open)."""
+        self.check_hidden(hidden)
+        m = hidden.shape[0]
+        out.check("out", self.device, (m, self.H), np.float32)
+        if tokens is not None:
+            self.check_tokens_array(tokens, m)
+        self._check_residual(residual, m)
+        if m == 0:
+            return []
+        return self.record_buffers(cmd, hidden.buffer, hidden.dtype == np.float32,
+                                   None if tokens is None else tokens.buffer, out.buffer, m, mode,
+                                   None if residual is None else (residual.buffer, residual.dtype == np.float32))
+
+    def _check_residual(self, residual, m):
+        if (residual is None) != (self.norms is None):
+            raise ValueError("residual: " + ("this block's router and routed experts read the residual stream; "
+                                             "pass the (m, H) residual" if residual is None else
+                                             "only a block with RMSNorms (Gemma 4) takes one"))
+        if isinstance(residual, DeviceArray):
+            self.check_hidden(residual, "residual")
+            if residual.shape[0] != m:
+                raise ValueError(f"residual must have shape ({m}, {self.H}), got a DeviceArray of shape "
+                                 f"{residual.shape}")
+
+    def aborted(self, m):
+        """The abort code of the last persistent routed-expert launch for m tokens (0: none; see Exl3MoeMlp)."""
+        return self.moe.aborted(m, self.top_k)
+
+    def __call__(self, hidden, tokens=None, out=None, residual=None):
+        """hidden: (m, H) float16/float32 numpy or DeviceArray; tokens: (m,) int32 numpy or DeviceArray (hash
+        layers) or None; out: None (numpy), "device" or a DeviceArray; residual: like hidden (Gemma 4) or None.
+        ONE submission: inputs, the block and the output's copy are recorded together (CallTransfers)."""
+        if isinstance(hidden, DeviceArray):
+            self.check_hidden(hidden)
+        m = hidden.shape[0]
+        target = resolve_out(out, self.device, (m, self.H), np.float32)
+        if isinstance(tokens, DeviceArray):
+            self.check_tokens_array(tokens, m)
+        self._check_residual(residual, m)
+        if m == 0:
+            return np.zeros((0, self.H), np.float32) if target is None else target
+        inputs = {"x": hidden, "tokens": tokens, "residual": residual}
+        with self._lock:
+            mode = self.moe.decided_mode(m, self.top_k)
+            ob, abort = self._submit(m, inputs, target, mode)
+            if abort:  # a persistent launch's bounded spin ran out: its output is not valid, re-run split
+                self.moe.reset_after_abort(m, self.top_k)
+                mode = "split"
+                ob, _ = self._submit(m, inputs, target, mode)
+            self.last_mode = mode
+            return ob.download(np.float32, (m, self.H)) if target is None else target
+
+    def _submit(self, m, inputs, target, mode):
+        """Inputs, the block recorded for this shape and mode, the output's copy: ONE submission, waited for.
+        Returns (the output buffer, the persistent launch's abort code: copied behind the output)."""
+        dtypes = tuple((name, None if a is None else np.dtype(a.dtype).str) for name, a in inputs.items())
+        bufs, ob, rec = self._call_buffers(m, dtypes, mode)
+        copies_in = []
+        for name, src in inputs.items():
+            if isinstance(src, DeviceArray):
+                copies_in.append((src.buffer, bufs[name], src.nbytes))
+            elif src is not None:
+                bufs[name].upload(np.ascontiguousarray(src))
+        copies_out = [(ob, target.buffer, target.nbytes)] if target is not None else []
+        self._transfers.submit(rec, copies_in, copies_out)
+        self.last_gpu_ms = rec.elapsed_ms()
+        out_bytes = m * self.H * 4
+        abort = int(ob.download(np.uint32, (1,), offset=out_bytes)[0]) if mode == "persistent" else 0
+        return ob, abort
+
+    def _call_buffers(self, m, dtypes, mode):
+        """({input name: upload buffer}, output buffer, recorder) of (m, the inputs' dtypes, mode), recorded once."""
+        key = (m, dtypes, mode)
+        if key in self._calls:
+            self._calls.move_to_end(key)
+        else:
+            while len(self._calls) >= knobs.get("VKMOE_SHAPE_CACHE"):
+                self._evict_call(next(iter(self._calls)))
+            mem = self.device.memory
+            present = [(name, np.dtype(dt)) for name, dt in dtypes if dt is not None]
+            sizes = [m * (1 if name == "tokens" else self.H) * dt.itemsize for name, dt in present]
+            *ins, ob = mem.allocate_all(sizes + [m * self.H * 4 + 16],
+                                        kinds=["upload"] * len(present) + ["readback"])
+            bufs = {name: buf for (name, _), buf in zip(present, ins)}
+            f32 = {name: dt == np.float32 for name, dt in present}
+            rec = CommandRecorder(self.device, timestamps=2)
+            rec.begin()
+            rec.fill(ob, POISON_F32)
+            rec.barrier()
+            rec.timestamp()
+            residual = (bufs["residual"], f32["residual"]) if "residual" in bufs else None
+            sets = self.record_buffers(rec, bufs["x"], f32["x"], bufs.get("tokens"), ob, m, mode, residual,
+                                       pin=False)
+            rec.timestamp()
+            if mode == "persistent":  # the abort word, read with the output (record_buffers ended with a barrier)
+                rec.copy(self.moe.status_buffer(m, self.top_k), ob, 4, src_offset=layout.SYNC_ABORT * 4,
+                         dst_offset=m * self.H * 4)
+            rec.host_barrier()
+            rec.end()
+            self._calls[key] = (bufs, ob, rec, sets)
+        return self._calls[key][:3]
+
+    def _evict_call(self, key):
+        """Free one __call__ recording; its m's scratch too when no other recording or record() uses it."""
+        bufs, ob, rec, sets = self._calls.pop(key)
+        close_recording(rec, sets, (*bufs.values(), ob))
+        m = key[0]
+        if m not in self._pinned and all(k[0] != m for k in self._calls):
+            self._scratch.pop(m).close()
+            self.moe.release_shape(m, self.top_k)
+            for op in (self.shared or {}).values():
+                op.release_shape(m)
+
+    def close(self):
+        with self._lock:
+            self._transfers.close()
+            for bufs, ob, rec, sets in self._calls.values():
+                close_recording(rec, sets, (*bufs.values(), ob))
+            self._calls.clear()
+            for s in self._scratch.values():
+                s.close()
+            self._scratch.clear()
+            if self.gate_gemv is not None:
+                self.gate_gemv.close()
+            for b in (self.norms or {}).values():
+                b.close()
+            self._dummy.close()
+            self.router.close()
