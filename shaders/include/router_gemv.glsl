@@ -12,7 +12,9 @@
 layout(constant_id = SPEC_ROUTER_WKIND) const uint WKIND = WKIND_FLOAT16;
 layout(constant_id = SPEC_ROUTER_X_F32) const bool X_F32 = false;
 
-shared float s_part[256];  // one partial per subgroup (at most 256 of them)
+// One partial per (expert, subgroup): a 256-invocation workgroup has at most 64 subgroups (subgroups of >= 4).
+#define ROUTER_SUBGROUP_SLOTS 64u
+shared float s_part[ROUTER_EXPERTS_PER_WG * ROUTER_SUBGROUP_SLOTS];
 
 vec2 x_pair(uint t, uint p) {  // columns 2p, 2p + 1 of row t
     uint i = t * (pc.H / 2u) + p;
@@ -30,24 +32,33 @@ vec2 w_pair(uint e, uint p) {
 void router_gemv(uint t, uint e0) {
     uint tid = gl_LocalInvocationID.x;
     uint experts = wg_uniform(min(ROUTER_EXPERTS_PER_WG, pc.E - e0)), pairs = wg_uniform(pc.H / 2u);
-    for (uint j = 0u; j < experts; j++) {
-        uint e = e0 + j;
-        float acc = 0.0;
-        for (uint p0 = 0u; p0 < pairs; p0 += 256u) {
-            uint p = p0 + tid;
-            if (p < pairs) {
-                vec2 xv = x_pair(t, p), wv = w_pair(e, p);
-                acc += xv.x * wv.x;
-                acc += xv.y * wv.y;
+    // All experts of the workgroup in one pass over H: their weight loads are independent and in flight
+    // together (one memory round trip per pass, not one per expert), x is read once. Same sums, same order.
+    float acc[ROUTER_EXPERTS_PER_WG];
+    [[unroll]] for (uint j = 0u; j < ROUTER_EXPERTS_PER_WG; j++) acc[j] = 0.0;
+    for (uint p0 = 0u; p0 < pairs; p0 += 256u) {
+        uint p = p0 + tid;
+        if (p < pairs) {
+            vec2 xv = x_pair(t, p);
+            [[unroll]] for (uint j = 0u; j < ROUTER_EXPERTS_PER_WG; j++) {
+                if (j < experts) {
+                    vec2 wv = w_pair(e0 + j, p);
+                    acc[j] += xv.x * wv.x;
+                    acc[j] += xv.y * wv.y;
+                }
             }
         }
-        float s = subgroupAdd(acc);
-        if (subgroupElect()) s_part[gl_SubgroupID] = s;
-        barrier();
-        float total = 0.0;
-        for (uint i = 0u; i < gl_NumSubgroups; i++) total += s_part[i];
-        if (tid == 0u) logits[t * pc.E + e] = total;
-        barrier();
     }
+    [[unroll]] for (uint j = 0u; j < ROUTER_EXPERTS_PER_WG; j++) {
+        float s = subgroupAdd(acc[j]);
+        if (subgroupElect()) s_part[j * ROUTER_SUBGROUP_SLOTS + gl_SubgroupID] = s;
+    }
+    barrier();
+    // Every invocation runs the loop (on a clamped expert): the same trip count everywhere (Mesa 22.3, above).
+    uint j = min(tid, experts - 1u);
+    float total = 0.0;
+    for (uint i = 0u; i < gl_NumSubgroups; i++) total += s_part[j * ROUTER_SUBGROUP_SLOTS + i];
+    if (tid < experts) logits[t * pc.E + e0 + tid] = total;
+    barrier();
 }
 #endif
