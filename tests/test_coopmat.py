@@ -80,6 +80,7 @@ def test_unavailable_reasons(changes, words):
 # ------------------------------------------------------------------------------------------ the choice
 def test_plan_choice(monkeypatch, device):
     monkeypatch.setattr(plan, "coop_unavailable", lambda d: None)  # as on a device that has the feature
+    monkeypatch.setattr(plan, "coop_probe_failure", lambda d: None)  # ... and whose matrix unit multiplies right
     monkeypatch.setenv("VKMOE_COOPMAT", "auto")
     monkeypatch.setenv("VKMOE_COOPMAT_MIN_M", "32")
     assert not plan.gemm_plan(device, 16, 2048, 2048).coop
@@ -92,10 +93,24 @@ def test_plan_choice(monkeypatch, device):
     assert not plan.gemm_plan(device, 1024, 2048, 2048).coop
 
 
-def test_default_is_off_and_fallback_is_right(monkeypatch, device):
-    """Without the feature (lavapipe) auto keeps to the FMA path, and its results are right."""
+def test_auto_needs_the_probe(monkeypatch, device):
+    """A device that has the feature but whose matrix unit got the probe's product wrong stays on the FMA path in
+    auto mode (the probe runs once per device: a second plan does not run it again)."""
+    monkeypatch.setattr(plan, "coop_unavailable", lambda d: None)
+    runs = []
+    monkeypatch.setattr(vkmoe.vk.quirks, "cooperative_matrix_error", lambda d: runs.append(1) or 0.5)
+    monkeypatch.setattr(plan, "_probe_verdicts", plan.weakref.WeakKeyDictionary())
+    monkeypatch.setenv("VKMOE_COOPMAT", "auto")
+    assert not plan.gemm_plan(device, 256, 2048, 2048).coop
+    assert not plan.gemm_plan(device, 512, 2048, 2048).coop
+    assert runs == [1]
+    assert "probe was off by 0.5" in plan.coop_probe_failure(device)
+
+
+def test_default_is_auto_and_fallback_is_right(monkeypatch, device):
+    """Without the feature (lavapipe) auto, the default, keeps to the FMA path, and its results are right."""
     monkeypatch.delenv("VKMOE_COOPMAT", raising=False)
-    assert vkmoe.knobs.get("VKMOE_COOPMAT") == "off"
+    assert vkmoe.knobs.get("VKMOE_COOPMAT") == "auto"
     monkeypatch.setenv("VKMOE_COOPMAT", "auto")
     monkeypatch.setenv("VKMOE_COOPMAT_MIN_M", "1")
     t = vkmoe.random_exl3_tensor(256, 128, seed=3)

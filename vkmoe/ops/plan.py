@@ -2,6 +2,8 @@
 from dataclasses import dataclass
 
 import os
+import threading
+import weakref
 
 from .. import knobs
 from ..layout import (BAND, COOP_KSTEP, COOP_ROWS_NARROW, COOP_ROWS_WIDE, COOP_SHAPE, COOP_SUBGROUP, TILE,
@@ -56,9 +58,33 @@ def coop_unavailable(device):
     return None
 
 
+# The largest relative error of the toolchain's cooperative-matrix probe (fp32 accumulation: ~1e-7 when right)
+# for auto mode to trust a device's matrix unit with this SPIR-V.
+COOP_PROBE_TOLERANCE = 1e-3
+_probe_verdicts = weakref.WeakKeyDictionary()  # device -> None (the probe passed) or why it failed
+_probe_lock = threading.Lock()
+
+
+def coop_probe_failure(device):
+    """Why auto mode does not trust this device's cooperative matrices with this build's SPIR-V (a sentence), or
+    None: one 16x32x16 product (vkmoe.vk.quirks.cooperative_matrix_error) against numpy, once per device and
+    process. glslang 13 predates the KHR enumerant fixes of glslang 14: a driver that reads its SPIR-V otherwise
+    fails here instead of giving wrong layers."""
+    with _probe_lock:
+        if device not in _probe_verdicts:
+            from ..vk.quirks import cooperative_matrix_error
+
+            err = cooperative_matrix_error(device)
+            _probe_verdicts[device] = (None if err <= COOP_PROBE_TOLERANCE else
+                                       f"its cooperative-matrix probe was off by {err:.3g} (more than "
+                                       f"{COOP_PROBE_TOLERANCE:g})")
+        return _probe_verdicts[device]
+
+
 def use_coop(device, m):
-    """Whether a linear of m rows runs on cooperative matrices: VKMOE_COOPMAT=auto from VKMOE_COOPMAT_MIN_M rows
-    where the device can, on always (an error where it cannot), off never."""
+    """Whether a linear of m rows runs on cooperative matrices: VKMOE_COOPMAT=auto (the default) from
+    VKMOE_COOPMAT_MIN_M rows where the device can and its probe passed, on always (an error where it cannot), off
+    never."""
     choice = knobs.get("VKMOE_COOPMAT")
     if choice == "off":
         return False
@@ -67,7 +93,7 @@ def use_coop(device, m):
         if reason:
             raise VkmoeError(f"VKMOE_COOPMAT=on, but {device.name} cannot run the cooperative-matrix GEMM: {reason}")
         return True
-    return reason is None and m >= knobs.get("VKMOE_COOPMAT_MIN_M")
+    return reason is None and m >= knobs.get("VKMOE_COOPMAT_MIN_M") and coop_probe_failure(device) is None
 
 
 def coop_rows(device, m):
