@@ -13,7 +13,6 @@
 const uint NONE = 0xFFFFFFFFu;
 shared float s_score[ROUTE_MAX_EXPERTS];   // the weights' source: softmax / sigmoid / sqrt(softplus)
 shared float s_choice[ROUTE_MAX_EXPERTS];  // what selection ranks: score (+ bias), -inf outside kept groups
-shared uint s_taken[ROUTE_MAX_EXPERTS / 32u];
 shared float s_red[256];
 shared uint s_red_i[256];
 shared float s_group[ROUTER_MAX_GROUPS];
@@ -75,7 +74,6 @@ void scores(uint t, uint E) {
             s_choice[e] = pc.has_bias != 0u ? s + bias[e] : s;
         }
     }
-    if (tid < ROUTE_MAX_EXPERTS / 32u) s_taken[tid] = 0u;
     barrier();
 }
 
@@ -108,29 +106,32 @@ void limit_groups(uint E) {
     barrier();
 }
 
-// top_k rounds of a workgroup argmax over the experts not taken yet (the tie rule at every level).
+// top_k rounds of a workgroup argmax over the experts not taken yet (the tie rule at every level). Invocation tid
+// owns experts tid, tid + 256, ...: it marks its own taken ones itself, so a round needs one barrier (the
+// subgroup winners go to alternating halves of s_red / s_red_i: a round never overwrites what the last one read).
 void select_topk(uint E) {
-    uint tid = gl_LocalInvocationID.x;
+    uint tid = gl_LocalInvocationID.x, taken = 0u;  // bit j: expert tid + 256 j was chosen (E <= 256 * 32)
     for (uint k = 0u; k < wg_uniform(pc.top_k); k++) {
         float bv = -1.0 / 0.0; uint bi = NONE;
-        for (uint e0 = 0u; e0 < E; e0 += 256u) {
+        for (uint e0 = 0u, j = 0u; e0 < E; e0 += 256u, j++) {
             uint e = e0 + tid;
-            if (e < E && (s_taken[e >> 5] >> (e & 31u) & 1u) == 0u && better(s_choice[e], e, bv, bi)) {
+            if (e < E && (taken >> j & 1u) == 0u && better(s_choice[e], e, bv, bi)) {
                 bv = s_choice[e];
                 bi = e;
             }
         }
         float sv = subgroupMax(bv);
         uint si = subgroupMin(bv == sv ? bi : NONE);
-        if (subgroupElect()) { s_red[gl_SubgroupID] = sv; s_red_i[gl_SubgroupID] = si; }
+        uint half_ = (k & 1u) * 128u;  // at most 64 subgroups (device.py requires subgroups of >= 4)
+        if (subgroupElect()) { s_red[half_ + gl_SubgroupID] = sv; s_red_i[half_ + gl_SubgroupID] = si; }
         barrier();
-        float v = s_red[0]; uint i = s_red_i[0];
+        float v = s_red[half_]; uint i = s_red_i[half_];
         for (uint g = 1u; g < gl_NumSubgroups; g++)
-            if (better(s_red[g], s_red_i[g], v, i)) { v = s_red[g]; i = s_red_i[g]; }
-        barrier();
-        if (tid == 0u) { s_sel[k] = i; s_taken[i >> 5] |= 1u << (i & 31u); }
-        barrier();
+            if (better(s_red[half_ + g], s_red_i[half_ + g], v, i)) { v = s_red[half_ + g]; i = s_red_i[half_ + g]; }
+        if (i != NONE && i % 256u == tid) taken |= 1u << (i / 256u);
+        if (tid == 0u) s_sel[k] = i;
     }
+    barrier();
 }
 
 void hash_ids(uint t, uint E) {  // ids = tid2eid[input_ids[t]], in table order
