@@ -8,8 +8,8 @@ layout(local_size_x = 256) in;
 #include "generated/moe_layout.glsl"
 layout(constant_id = SPEC_ROUTER_FAMILY) const uint FAMILY = ROUTER_STD;
 
-layout(std430, binding = 0) readonly buffer X { uint x[]; };          // (m, H) fp16 pairs, or fp32
-layout(std430, binding = 1) readonly buffer W { uint w[]; };          // (E, H) fp16 / bf16 pairs, or fp32
+layout(std430, binding = 0) readonly buffer X4 { uvec4 x4[]; };      // (m, H) fp16, or fp32
+layout(std430, binding = 1) readonly buffer W4 { uvec4 w4[]; };      // (E, H) fp16 / bf16, or fp32
 // Written and read by different workgroups of the dispatch: nonprivate, so that release/acquire covers them.
 layout(std430, binding = 2) nonprivate buffer Logits { float logits[]; };  // (m, E) fp32
 layout(std430, binding = 3) readonly buffer Bias { float bias[]; };      // (E,) selection bias (has_bias)

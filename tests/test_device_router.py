@@ -159,6 +159,8 @@ def test_router_refuses_bad_arguments(device):
         DeviceRouter(device, "dots", w, K, n_group=5, topk_group=2)
     with pytest.raises(ValueError, match="tid2eid"):
         DeviceRouter(device, "sqrtsp_hash", w, K)
+    with pytest.raises(ValueError, match="H a multiple of 8"):
+        DeviceRouter(device, "std", w[:, :252], K)
     r = DeviceRouter(device, "std", w, K)
     with pytest.raises(ValueError, match=r"hidden: expected \(m, 256\)"):
         r(np.zeros((2, 128), np.float16))
@@ -166,7 +168,7 @@ def test_router_refuses_bad_arguments(device):
 
 
 def test_router_at_the_size_limits(device):
-    """E = 1024 (the op's limit) and H = 4096: 128 GEMV workgroups per token, the last of which selects; every
+    """E = 1024 (the op's limit) and H = 4096: 256 GEMV workgroups per token, the last of which selects; every
     loop stays far below Mesa 22.3's 65,536-iteration cap."""
     rng = np.random.default_rng(40)
     E_big, H_big = 1024, 4096
