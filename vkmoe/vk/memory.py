@@ -11,6 +11,7 @@ AND host-visible where the device offers it, e.g. a discrete GPU's BAR / resizab
 memory the shaders read directly) and "readback" (the device writes, the host reads: host-visible, cached
 where possible, because reading device-local memory through the BAR from the CPU is slow).
 """
+import math
 import threading
 
 import numpy as np
@@ -167,7 +168,8 @@ class Buffer:
         """Read the buffer (or `shape` elements of `dtype` from byte `offset`) into a new numpy array."""
         self._check_open()
         dtype = np.dtype(dtype)
-        count = (self.size - offset) // dtype.itemsize if shape is None else int(np.prod(shape))
+        # math.prod: np.prod costs ~3 us on a small tuple, and a decode call downloads on every call
+        count = (self.size - offset) // dtype.itemsize if shape is None else math.prod(shape)
         nbytes = count * dtype.itemsize
         if offset < 0 or offset + nbytes > self.size:
             raise ValueError(f"download of {nbytes} bytes at offset {offset} exceeds the {self.size}-byte buffer")
