@@ -541,6 +541,25 @@ def test_nemotron_bad_latent_size(value, match):
     assert MoeConfig.from_dict(dict(checkpoint_config("nemotron_h"), moe_latent_size=None)).moe_latent_size == 0
 
 
+def test_nemotron_latent_arguments_checked(ckpts):
+    """SparseMoeBlock built from arrays: the latent projections are required with moe_latent_size, refused without
+    it, and their shapes are checked (naming the role and both sizes)."""
+    latent = MoeConfig.from_file(ckpts["nemotron_h_latent"])
+    plain = MoeConfig.from_file(ckpts["nemotron_h"])
+    t = SparseMoeBlock.from_checkpoint(ckpts["nemotron_h_latent"], 0, backend="cpu")
+    args = dict(router_weight=t.router_weight, gate=None, up=t.up, down=t.down, e_score_correction_bias=t.e_bias,
+                backend="cpu")
+    with pytest.raises(CheckpointError, match="latent: moe_latent_size=128 needs"):
+        SparseMoeBlock(latent, **args)
+    with pytest.raises(CheckpointError, match=r"latent\['out'\]: expected an Exl3Tensor of 128x256 .*got 256x128"):
+        SparseMoeBlock(latent, latent={"in": t.latent["in"], "out": t.latent["in"]}, **args)
+    with pytest.raises(CheckpointError, match="latent: nemotron_h config has no moe_latent_size"):
+        SparseMoeBlock(plain, latent=t.latent, **args)
+    block = SparseMoeBlock(latent, latent=t.latent, **args)
+    hidden, _ = _inputs(block, 4)
+    assert _rms(block(hidden) - block.reference(hidden)) < TOL * _rms(block.reference(hidden))
+
+
 @pytest.mark.parametrize("key", ["fc1_latent_proj", "fc2_latent_proj"])
 def test_nemotron_missing_latent_tensor(tmp_path, key):
     path = write_checkpoint(str(tmp_path / "l"), arch="nemotron_h", hidden=H, intermediate=128, experts=4, top_k=2,

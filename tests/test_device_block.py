@@ -124,9 +124,9 @@ def test_recorded_block_equals_call(blocks, device, key):
 
 
 def test_chain_of_blocks_in_one_submission(blocks, device):
-    """Three layers recorded back to back (each reads the previous one's fp32 output) == one by one, with device
-    arrays passed between the calls, and == numpy calls."""
-    chain = [blocks["qwen3_next", i] for i in range(3)]
+    """Three layers recorded back to back (each reads the previous one's fp32 output; the middle one a LatentMoE
+    block) == one by one, with device arrays passed between the calls, and == numpy calls."""
+    chain = [blocks["qwen3_next", 0], blocks["nemotron_h_latent", 0], blocks["qwen3_next", 2]]
     x = _hidden(2, seed=9)
     outs = [_poisoned(device, 2) for _ in chain]
     with DeviceArray.from_numpy(device, x) as xd, CommandRecorder(device) as rec:

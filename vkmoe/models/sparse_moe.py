@@ -8,7 +8,8 @@
 Vulkan backend: the whole block on the device, ONE submission per call (vkmoe.ops.block: router shaders, the
 routed experts, shared experts, Gemma 4's RMSNorms, the sum); `block.record(rec, hidden, out)` appends it to a
 caller's command buffer. CPU backend: router in numpy (fp32; families in vkmoe.models.routing) -> routed experts
-through the registered `exl3_moe_mlp` (+ shared experts through `exl3_linear`, where the architecture has them).
+through the registered `exl3_moe_mlp` (+ shared experts through `exl3_linear`, where the architecture has them;
+NemotronH's LatentMoE: the routed experts between fc1/fc2_latent_proj, two more `exl3_linear`s).
 `block.reference(hidden)` is the same block in float64 with vkmoe.exl3.reference, for tests.
 """
 from __future__ import annotations
