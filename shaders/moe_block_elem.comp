@@ -4,6 +4,7 @@
 //   ELEM_ACTIVATE    c = fp16(act(a, b))                shared expert: a = gate, b = up (fp16), in fp32 as
 //                                                       vkmoe/exl3/reference.py's _activate (act_limit included)
 //   ELEM_ADD_SHARED  c += a (· sigmoid(b[row]))         out (fp32) += shared output (fp16) · its gate
+//   ELEM_TO_F32      c = fp32(a)                        LatentMoE: out (fp32) = fc2_latent_proj's output (fp16)
 #include "common.glsl"
 layout(local_size_x = 256) in;
 #include "generated/moe_layout.glsl"
@@ -38,6 +39,10 @@ void main() {
     } else if (pc.mode == ELEM_ACTIVATE) {
         vec2 u = unpackHalf2x16(b[p]), g = pc.act == ACT_RELU2 ? u : unpackHalf2x16(a[p]);
         c[p] = packHalf2x16(vec2(activate(g.x, u.x), activate(g.y, u.y)));
+    } else if (pc.mode == ELEM_TO_F32) {
+        vec2 v = unpackHalf2x16(a[p]);
+        c[2u * p] = floatBitsToUint(v.x);
+        c[2u * p + 1u] = floatBitsToUint(v.y);
     } else {
         float gate = pc.has_gate != 0u ? sigmoid(uintBitsToFloat(b[(2u * p) / pc.cols])) : 1.0;
         vec2 s = unpackHalf2x16(a[p]) * gate;

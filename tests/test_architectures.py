@@ -31,6 +31,8 @@ ARCHS = {
     "dots1": dict(experts=4, top_k=2, shared_experts=2, routed_scaling_factor=1.0),
     "minimax_m2": dict(experts=4, top_k=2, routed_scaling_factor=1.0),
     "nemotron_h": dict(experts=4, top_k=2, shared_intermediate=128),
+    # NemotronH LatentMoE: the routed experts at width 128 (hidden 256) behind fc1/fc2_latent_proj.
+    "nemotron_h_latent": dict(arch="nemotron_h", experts=4, top_k=2, shared_intermediate=128, latent=128),
     # Step-3.5: per-layer limits (routed 1.5, shared 0.75), both tight enough to clamp.
     "step3p5": dict(experts=4, top_k=2, shared_intermediate=128, act_limit=1.5, routed_scaling_factor=3.0),
     # Laguna: interm_div 128 on the routed experts.
@@ -62,8 +64,9 @@ def _no_env_backend(monkeypatch):
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("archs")
-    return {arch: write_checkpoint(str(root / arch), arch=arch, hidden=H, intermediate=128, seed=i, **kw)
-            for i, (arch, kw) in enumerate(ARCHS.items())}
+    return {name: write_checkpoint(str(root / name), **dict(dict(arch=name, hidden=H, intermediate=128, seed=i),
+                                                            **kw))
+            for i, (name, kw) in enumerate(ARCHS.items())}
 
 
 def _rms(a):
@@ -512,9 +515,74 @@ def test_nemotron_pattern_selects_moe_layers():
         MoeConfig.from_dict({k: v for k, v in cfg.items() if k != "hybrid_override_pattern"})
 
 
-def test_nemotron_latent_moe_refused():
-    with pytest.raises(CheckpointError, match="moe_latent_size=64: NemotronH's latent MoE"):
-        MoeConfig.from_dict(dict(checkpoint_config("nemotron_h"), moe_latent_size=64))
+def test_nemotron_latent_moe(ckpts):
+    """LatentMoE: experts at width L between fc1 (H -> L) and fc2 (L -> H); router and shared expert at H. The
+    routed part is not negligible next to the shared one (a block that skipped it would fail _check)."""
+    block = SparseMoeBlock.from_checkpoint(ckpts["nemotron_h_latent"], 0, backend="cpu")
+    assert block.config.moe_latent_size == 128 and block.config.expert_size == 128
+    assert (block.latent["in"].k, block.latent["in"].n, block.latent["out"].k, block.latent["out"].n) == (H, 128,
+                                                                                                        128, H)
+    assert (block.up[0].k, block.down[0].n, block.shared["up"].k, block.router_weight.shape[1]) == (128, 128, H, H)
+    assert "latent=128" in repr(block)
+    hidden, _ = _inputs(block, 6)
+    full = block.reference(hidden)
+    saved, block.shared = block.shared, None
+    routed = block.reference(hidden)
+    block.shared = saved
+    assert _rms(routed) > 0.2 * _rms(full)
+
+
+@pytest.mark.parametrize("value,match", [(64, "moe_latent_size=64 is not a positive multiple of 128"),
+                                         (-128, "moe_latent_size=-128 is not a positive multiple of 128"),
+                                         ("x", "moe_latent_size='x' is not an integer")])
+def test_nemotron_bad_latent_size(value, match):
+    with pytest.raises(CheckpointError, match=match):
+        MoeConfig.from_dict(dict(checkpoint_config("nemotron_h"), moe_latent_size=value))
+    assert MoeConfig.from_dict(dict(checkpoint_config("nemotron_h"), moe_latent_size=None)).moe_latent_size == 0
+
+
+def test_nemotron_latent_arguments_checked(ckpts):
+    """SparseMoeBlock built from arrays: the latent projections are required with moe_latent_size, refused without
+    it, and their shapes are checked (naming the role and both sizes)."""
+    latent = MoeConfig.from_file(ckpts["nemotron_h_latent"])
+    plain = MoeConfig.from_file(ckpts["nemotron_h"])
+    t = SparseMoeBlock.from_checkpoint(ckpts["nemotron_h_latent"], 0, backend="cpu")
+    args = dict(router_weight=t.router_weight, gate=None, up=t.up, down=t.down, e_score_correction_bias=t.e_bias,
+                backend="cpu")
+    with pytest.raises(CheckpointError, match="latent: moe_latent_size=128 needs"):
+        SparseMoeBlock(latent, **args)
+    with pytest.raises(CheckpointError, match=r"latent\['out'\]: expected an Exl3Tensor of 128x256 .*got 256x128"):
+        SparseMoeBlock(latent, latent={"in": t.latent["in"], "out": t.latent["in"]}, **args)
+    with pytest.raises(CheckpointError, match="latent: nemotron_h config has no moe_latent_size"):
+        SparseMoeBlock(plain, latent=t.latent, **args)
+    block = SparseMoeBlock(latent, latent=t.latent, **args)
+    hidden, _ = _inputs(block, 4)
+    assert _rms(block(hidden) - block.reference(hidden)) < TOL * _rms(block.reference(hidden))
+
+
+@pytest.mark.parametrize("key", ["fc1_latent_proj", "fc2_latent_proj"])
+def test_nemotron_missing_latent_tensor(tmp_path, key):
+    path = write_checkpoint(str(tmp_path / "l"), arch="nemotron_h", hidden=H, intermediate=128, experts=4, top_k=2,
+                            latent=128, omit=(f"backbone.layers.0.mixer.{key}",))
+    with pytest.raises(MissingTensorError, match=f"backbone.layers.0.mixer.{key}.*LatentMoE projection"):
+        SparseMoeBlock.from_checkpoint(path, 0, backend="cpu")
+
+
+def test_nemotron_latent_shape_mismatch(tmp_path):
+    """A config whose moe_latent_size disagrees with the stored tensors names the tensor and the key; latent
+    projections given to a block without moe_latent_size, or to another architecture, are refused."""
+    path = write_checkpoint(str(tmp_path / "l"), arch="nemotron_h", hidden=H, intermediate=128, experts=4, top_k=2,
+                            latent=128)
+    cfg_path = os.path.join(path, "config.json")
+    cfg = json.load(open(cfg_path))
+    json.dump(dict(cfg, moe_latent_size=256), open(cfg_path, "w"))
+    with pytest.raises(CheckpointError, match="fc1_latent_proj: shape 256x128 .* 256x256 .*moe_latent_size=256"):
+        SparseMoeBlock.from_checkpoint(path, 0, backend="cpu")
+    json.dump(dict(cfg, moe_latent_size=None), open(cfg_path, "w"))
+    with pytest.raises(CheckpointError, match="up_proj: shape 128x128 .* 256x128"):  # experts at L, config says H
+        SparseMoeBlock.from_checkpoint(path, 0, backend="cpu")
+    with pytest.raises(ValueError, match="latent: qwen3_moe has no latent MoE"):
+        checkpoint_config("qwen3_moe", latent=128)
 
 
 def test_nemotron_gated_activation_is_inconsistent():
@@ -564,6 +632,8 @@ def test_tool_writes_every_architecture(tmp_path, arch):
             "--bits", "2", "--out", out]
     if arch == "deepseek_v4":
         args += ["--layers", "2", "--hash-layers", "1", "--act-limit", "4"]
+    if arch == "nemotron_h":
+        args += ["--hidden", "256", "--latent", "128"]
     r = subprocess.run([sys.executable, os.path.join(REPO, "tools", "make_exl3_moe_checkpoint")] + args,
                        capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=REPO))
     assert r.returncode == 0, r.stderr
@@ -573,5 +643,7 @@ def test_tool_writes_every_architecture(tmp_path, arch):
     layers = (cfg["text_config"] if SPECS[arch].text_config else cfg)["num_hidden_layers"]
     block = SparseMoeBlock.from_checkpoint(out, layers - 1, backend="cpu")
     assert block.up[0].bits == 2
+    if arch == "nemotron_h":
+        assert block.config.moe_latent_size == 128 and block.latent["out"].n == 256
     if arch == "deepseek_v4":
         assert block.act_limit == 4.0 and SparseMoeBlock.from_checkpoint(out, 0, backend="cpu").router == "sqrtsp_hash"

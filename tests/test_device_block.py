@@ -19,6 +19,8 @@ ARCHS = {  # the router families, shared experts with and without a gate, act li
     "deepseek_v4": dict(experts=8, top_k=2, layers=2, hash_layers=1, act_limit=1.5, shared_experts=1,
                         routed_scaling_factor=1.5),
     "nemotron_h": dict(experts=4, top_k=2, shared_intermediate=128),
+    # LatentMoE: fc1 before the routed experts (width 128), fc2 after them, in the same submission
+    "nemotron_h_latent": dict(arch="nemotron_h", experts=4, top_k=2, shared_intermediate=128, latent=128),
     "step3p5": dict(experts=4, top_k=2, shared_intermediate=128, act_limit=1.5, routed_scaling_factor=3.0),
     "laguna": dict(experts=4, top_k=2, shared_intermediate=128, routed_scaling_factor=2.0),
 }
@@ -34,10 +36,11 @@ def blocks(device, tmp_path_factory):
     """{(arch, layer): block} on the session device, closed at the end."""
     root = tmp_path_factory.mktemp("device_block")
     made = {}
-    for i, (arch, kw) in enumerate(ARCHS.items()):
-        path = write_checkpoint(str(root / arch), arch=arch, hidden=H, intermediate=128, seed=20 + i, **kw)
+    for i, (name, kw) in enumerate(ARCHS.items()):
+        path = write_checkpoint(str(root / name), **dict(dict(arch=name, hidden=H, intermediate=128, seed=20 + i),
+                                                         **kw))
         for layer in range(kw.get("layers", 1)):
-            made[arch, layer] = SparseMoeBlock.from_checkpoint(path, layer, backend="vulkan", device=device)
+            made[name, layer] = SparseMoeBlock.from_checkpoint(path, layer, backend="vulkan", device=device)
     yield made
     for block in made.values():
         block.close()
@@ -82,7 +85,7 @@ def test_fp32_hidden_routes_on_fp32(blocks):
 
 
 def test_one_submission_per_call(blocks, device):
-    for key in (("qwen3_moe", 0), ("qwen3_next", 0), ("deepseek_v4", 0)):
+    for key in (("qwen3_moe", 0), ("qwen3_next", 0), ("deepseek_v4", 0), ("nemotron_h_latent", 0)):
         block = blocks[key]
         x, ids = _hidden(3, seed=5), _tokens(block, 3, seed=5)
         first = block(x, input_ids=ids)
@@ -101,7 +104,7 @@ def _poisoned(device, m):
     return DeviceArray.from_numpy(device, np.full((m, H), np.nan, np.float32))
 
 
-@pytest.mark.parametrize("key", [("qwen3_next", 0), ("deepseek_v4", 0), ("deepseek_v3", 0)],
+@pytest.mark.parametrize("key", [("qwen3_next", 0), ("deepseek_v4", 0), ("deepseek_v3", 0), ("nemotron_h_latent", 0)],
                          ids=lambda k: f"{k[0]}-{k[1]}")
 def test_recorded_block_equals_call(blocks, device, key):
     block = blocks[key]
@@ -121,9 +124,9 @@ def test_recorded_block_equals_call(blocks, device, key):
 
 
 def test_chain_of_blocks_in_one_submission(blocks, device):
-    """Three layers recorded back to back (each reads the previous one's fp32 output) == one by one, with device
-    arrays passed between the calls, and == numpy calls."""
-    chain = [blocks["qwen3_next", i] for i in range(3)]
+    """Three layers recorded back to back (each reads the previous one's fp32 output; the middle one a LatentMoE
+    block) == one by one, with device arrays passed between the calls, and == numpy calls."""
+    chain = [blocks["qwen3_next", 0], blocks["nemotron_h_latent", 0], blocks["qwen3_next", 2]]
     x = _hidden(2, seed=9)
     outs = [_poisoned(device, 2) for _ in chain]
     with DeviceArray.from_numpy(device, x) as xd, CommandRecorder(device) as rec:
@@ -227,11 +230,12 @@ def test_cpu_block_keeps_the_host_path(tmp_path):
     assert _rel_rms(cpu(x), cpu.reference(x)) < TOL and cpu.last_run["mode"] == "cpu"
 
 
-def test_persistent_routed_experts_inside_the_block(blocks, monkeypatch):
+@pytest.mark.parametrize("name", ["qwen3_next", "nemotron_h_latent"])
+def test_persistent_routed_experts_inside_the_block(blocks, monkeypatch, name):
     """VKMOE_DISPATCH=persistent: the routed experts run as the scheduler decides (persistent where the device
     allows it, its abort word read in the same submission), the block output still matches."""
     monkeypatch.setenv("VKMOE_DISPATCH", "persistent")
-    block = blocks["qwen3_next", 0]
+    block = blocks[name, 0]
     x = _hidden(3, seed=21)
     want = block.moe.decided_mode(3, block.config.top_k)
     block(x)
@@ -242,15 +246,19 @@ def test_persistent_routed_experts_inside_the_block(blocks, monkeypatch):
     assert _rel_rms(got, block.reference(x)) < TOL
 
 
-def test_shape_cache_bounds_the_calls(blocks, monkeypatch):
+@pytest.mark.parametrize("name", ["deepseek_v3", "nemotron_h_latent"])
+def test_shape_cache_bounds_the_calls(blocks, monkeypatch, name):
     """VKMOE_SHAPE_CACHE=2: a block called with many m keeps two recordings, frees the rest with their scratch
-    (and unpins them in the routed-expert op), and an m that comes back is recorded again with the same result."""
+    (and unpins them in the routed-expert op and the shared / latent linears), and an m that comes back is
+    recorded again with the same result."""
     monkeypatch.setenv("VKMOE_SHAPE_CACHE", "2")
-    block = blocks["deepseek_v3", 0]
+    block = blocks[name, 0]
     dev_block = block.device_block
     first = block(_hidden(1, seed=30))
     for m in (2, 3, 5, 6):
         block(_hidden(m, seed=30 + m))
     assert len(dev_block._calls) == 2 and 1 not in dev_block._scratch
     assert (1, block.config.top_k) not in block.moe._pinned
+    for op in [*(block.shared_ops or {}).values(), *(block.latent_ops or {}).values()]:
+        assert 1 not in op._pinned
     assert np.array_equal(block(_hidden(1, seed=30)), first)

@@ -74,7 +74,7 @@ ROUTER_WEIGHT_KINDS = {"float16": 0, "bfloat16": 1, "float32": 2}        # WKIND
 ROUTER_EXPERTS_PER_WG = 4     # router GEMV: experts per workgroup (grid: E / 4 x m), so no loop grows with E or m
 ROUTER_MAX_GROUPS = 64        # dots: n_group limit (router_select.glsl's shared group scores)
 SOFTPLUS_THRESHOLD = 20.0     # sqrt(softplus): x itself above this (torch's default; routing.py uses the same)
-ELEM_TO_F16, ELEM_ACTIVATE, ELEM_ADD_SHARED = 0, 1, 2  # moe_block_elem.comp modes
+ELEM_TO_F16, ELEM_ACTIVATE, ELEM_ADD_SHARED, ELEM_TO_F32 = 0, 1, 2, 3  # moe_block_elem.comp modes
 SPEC_ROUTER_WKIND, SPEC_ROUTER_X_F32, SPEC_ROUTER_FAMILY = 0, 1, 2
 
 
@@ -205,7 +205,7 @@ def _defines():
     yield "ROUTER_EXPERTS_PER_WG", f"{ROUTER_EXPERTS_PER_WG}u"
     yield "ROUTER_MAX_GROUPS", f"{ROUTER_MAX_GROUPS}u"
     yield "SOFTPLUS_THRESHOLD", f"{SOFTPLUS_THRESHOLD:.1f}"
-    for name in ("TO_F16", "ACTIVATE", "ADD_SHARED"):
+    for name in ("TO_F16", "ACTIVATE", "ADD_SHARED", "TO_F32"):
         yield f"ELEM_{name}", f"{globals()['ELEM_' + name]}u"
     for name in ("WKIND", "X_F32", "FAMILY"):
         yield f"SPEC_ROUTER_{name}", str(globals()["SPEC_ROUTER_" + name])

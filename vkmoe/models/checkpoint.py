@@ -26,16 +26,20 @@ _NATURAL_ACT = {"nemotron_h": "relu2", "gemma4": "gelu_pytorch_tanh"}  # HF act 
 def checkpoint_config(arch="qwen3_moe", hidden=256, intermediate=128, experts=8, top_k=2, layers=1, bits=4,
                       codebook="mul1", n_group=1, topk_group=1, shared_experts=None, hidden_act=None,
                       norm_topk_prob=True, routed_scaling_factor=2.5, act_limit=None, hash_layers=None,
-                      vocab_size=64, shared_intermediate=None) -> dict:
+                      vocab_size=64, shared_intermediate=None, latent=None) -> dict:
     """The config.json dict write_checkpoint writes (HF names; every key that has an architecture default is
     written explicitly). `shared_experts`: n_shared_experts where the architecture counts them (DeepSeek,
     GLM, dots1; default 1); `shared_intermediate`: the shared MLP's width where it is its own key (Qwen3-Next,
     NemotronH, Step-3.5; default `intermediate`). `act_limit`: DeepSeek-V4 swiglu_limit, or Step-3.5's routed
     limit of every layer, its shared limit being half of it (default 10.0, HF's); `hash_layers`: DeepSeek-V4
-    num_hash_layers (default min(1, layers - 1): one hash layer when there are two)."""
+    num_hash_layers (default min(1, layers - 1): one hash layer when there are two); `latent`: NemotronH's
+    moe_latent_size (LatentMoE: the routed experts at that width behind fc1/fc2_latent_proj; default none)."""
     if arch not in SPECS:
         raise ValueError(f"arch: expected one of {', '.join(SPECS)}, got {arch!r}")
     spec = SPECS[arch]
+    if latent is not None and not spec.latent_key:
+        raise ValueError(f"latent: {arch} has no latent MoE (only "
+                         + ", ".join(s.name for s in SPECS.values() if s.latent_key) + " has)")
     gateless = spec.expert_keys[0] is None
     cfg = {
         "architectures": [_ARCH_CLASS[arch]],
@@ -64,6 +68,8 @@ def checkpoint_config(arch="qwen3_moe", hidden=256, intermediate=128, experts=8,
         cfg.update({"first_k_dense_replace": 0, "mlp_layer_types": ["sparse"] * layers})
     if spec.bias_flag:
         cfg[spec.bias_flag] = True
+    if latent is not None:
+        cfg[spec.latent_key] = latent
     if spec.shared == "n_shared":
         cfg[spec.key("n_shared_experts")] = 1 if shared_experts is None else shared_experts
     elif spec.shared:
@@ -104,7 +110,7 @@ def _plan(cfg, codebook, bits):
     contents do not depend on how the items are split into shards."""
     config = MoeConfig.from_dict(cfg, source="write_checkpoint arguments")
     spec = config.spec
-    H, I, E = config.hidden_size, config.moe_intermediate_size, config.num_experts
+    H, I, E, W = config.hidden_size, config.moe_intermediate_size, config.num_experts, config.expert_size
     sigma = float(codebook_table(codebook).astype(np.float64).std())
     items = []
 
@@ -113,8 +119,8 @@ def _plan(cfg, codebook, bits):
             return save_exl3_tensor({}, key, _random_exl3(rng, k, n, bits, codebook, sigma, out_scale))
         return key, build, k * n * bits // 8 + 2 * (k + n)
 
-    def mlp(prefix, names, width):
-        for proj, name, k, n, scale in zip(("gate", "up", "down"), names, (H, H, width), (width, width, H),
+    def mlp(prefix, names, width, io=H):
+        for proj, name, k, n, scale in zip(("gate", "up", "down"), names, (io, io, width), (width, width, io),
                                            (1.0, 1.0, 0.5)):
             if name is not None:
                 items.append(linear(f"{prefix}.{name}", k, n, scale))
@@ -141,8 +147,11 @@ def _plan(cfg, codebook, bits):
                 out[f"{p}.{key}"] = rng.normal(1.0, 0.2, H).astype(np.float32)
             return out
         items.append((f"{p}.gate", gate, E * H * 2))
+        if config.moe_latent_size:  # LatentMoE: the routed experts at width W = L between these two
+            items.append(linear(f"{p}.fc1_latent_proj", H, W, 1.0))
+            items.append(linear(f"{p}.fc2_latent_proj", W, H, 1.0))
         for e in range(E):
-            mlp(f"{p}.experts.{e}", spec.expert_keys, I)
+            mlp(f"{p}.experts.{e}", spec.expert_keys, I, io=W)
         if config.shared_intermediate_size:
             mlp(spec.shared_key_prefix(layer), spec.shared_keys, config.shared_intermediate_size)
     return items
@@ -180,7 +189,8 @@ class _Progress:
 def write_checkpoint(out, arch="qwen3_moe", hidden=256, intermediate=128, experts=8, top_k=2, layers=1, bits=4,
                      codebook="mul1", n_group=1, topk_group=1, shared_experts=None, seed=0, shards=1,
                      hidden_act=None, norm_topk_prob=True, routed_scaling_factor=2.5, progress=False,
-                     omit=(), act_limit=None, hash_layers=None, vocab_size=64, shared_intermediate=None) -> str:
+                     omit=(), act_limit=None, hash_layers=None, vocab_size=64, shared_intermediate=None,
+                     latent=None) -> str:
     """Write a random, valid exllamav3-format MoE checkpoint (config.json + safetensors) to directory `out`.
 
     Block outputs have rms O(0.1-1) for hidden states of rms 1 and every fp16 intermediate stays far from
@@ -196,7 +206,7 @@ def write_checkpoint(out, arch="qwen3_moe", hidden=256, intermediate=128, expert
     _check_bits(bits)
     cfg = checkpoint_config(arch, hidden, intermediate, experts, top_k, layers, bits, codebook, n_group,
                             topk_group, shared_experts, hidden_act, norm_topk_prob, routed_scaling_factor,
-                            act_limit, hash_layers, vocab_size, shared_intermediate)
+                            act_limit, hash_layers, vocab_size, shared_intermediate, latent)
     MoeConfig.from_dict(cfg, source="write_checkpoint arguments")  # the same checks a reader applies
     if codebook not in ("mul1", "mcg", "3inst"):
         raise ValueError(f"codebook: expected mul1, mcg or 3inst, got {codebook!r}")

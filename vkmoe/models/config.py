@@ -63,6 +63,7 @@ class ArchSpec:
     asserted: tuple = ()           # (key, the only value exllamav3 accepts), checked where the key is present
     bias_flag: str | None = None   # config key that says whether the selection bias exists
     alt_prefix: str | None = None  # an older HF key style of the same block, used when `prefix` holds no router
+    latent_key: str | None = None  # NemotronH: config key of the latent width of the routed experts (LatentMoE)
 
     def key(self, name: str) -> str:
         """This architecture's config key for the canonical (DeepSeek/Qwen-style) key `name`."""
@@ -107,7 +108,7 @@ SPECS = {s.name: s for s in (
     ArchSpec("nemotron_h", ("NemotronHForCausalLM",), "dots", "backbone.layers.{layer}.mixer", "n_routed_experts",
              "moe_intermediate_size", expert_keys=GATELESS_KEYS, shared="moe_shared_expert_intermediate_size",
              shared_keys=GATELESS_KEYS, bias_keys=("gate.e_score_correction_bias",), bias_required=True,
-             layer_rule="pattern"),
+             layer_rule="pattern", latent_key="moe_latent_size"),
     # model_type "step3p5" and Step3p5ForCausalLM: exllamav3's arch string and published configs agree.
     ArchSpec("step3p5", ("Step3p5ForCausalLM",), "dots", "model.layers.{layer}.moe", "moe_num_experts",
              "moe_intermediate_size", shared="share_expert_dim", shared_prefix="model.layers.{layer}.share_expert",
@@ -275,9 +276,6 @@ def _resolve_architecture(cfg: dict, source: str):
         if cfg.get(key) is not None and cfg[key] != want:
             raise CheckpointError(f"{source}: {key}={cfg[key]!r}: {arch} supports only {key}={want!r} "
                                   "(exllamav3 asserts it)")
-    if arch == "nemotron_h" and cfg.get("moe_latent_size"):
-        raise CheckpointError(f"{source}: moe_latent_size={cfg['moe_latent_size']}: NemotronH's latent MoE "
-                              "(experts behind fc1/fc2_latent_proj) is not supported")
     return arch, spec, defaults, cfg
 
 
@@ -312,11 +310,20 @@ class MoeConfig:
     rms_norm_eps: float = 1e-6         # Gemma 4's block norms
     interm_div: float = 0.0            # Laguna: see ArchSpec.interm_div; 0 = none
     use_bias: bool | None = None       # the architecture's bias_flag: True = required, False = unused, None = if stored
+    # NemotronH LatentMoE (Nemotron 3 Super/Ultra): the routed experts run at this width between
+    # fc1_latent_proj (H -> L) and fc2_latent_proj (L -> H); router and shared expert see H. 0 = none (exllamav3
+    # reads a null or absent moe_latent_size, and 0, as "no latent projections").
+    moe_latent_size: int = 0
     source: str = "<dict>"
 
     @property
     def spec(self) -> ArchSpec:
         return SPECS[self.arch]
+
+    @property
+    def expert_size(self) -> int:
+        """The routed experts' input and output width: the latent width, else hidden_size."""
+        return self.moe_latent_size or self.hidden_size
 
     @property
     def activation(self) -> str:
@@ -413,7 +420,8 @@ class MoeConfig:
                 hybrid_override_pattern=str(cfg.get("hybrid_override_pattern") or ""),
                 mlp_layer_types=tuple(cfg.get("mlp_layer_types") or ()),
                 rms_norm_eps=float(opt("rms_norm_eps", 1e-6)), interm_div=spec.interm_div, source=source,
-                use_bias=None if cfg.get(spec.bias_flag or "") is None else bool(cfg[spec.bias_flag]))
+                use_bias=None if cfg.get(spec.bias_flag or "") is None else bool(cfg[spec.bias_flag]),
+                moe_latent_size=as_int(spec.latent_key, cfg.get(spec.latent_key) or 0) if spec.latent_key else 0)
         if spec.layer_rule == "enum":
             enum = need("moe_layers_enum")
             try:
@@ -452,6 +460,12 @@ class MoeConfig:
         if self.moe_intermediate_size <= 0 or self.moe_intermediate_size % 128:
             raise CheckpointError(f"{src}: {spec.intermediate_key}={self.moe_intermediate_size} is not a positive "
                                   "multiple of 128")
+        if self.moe_latent_size < 0 or self.moe_latent_size % 128:
+            raise CheckpointError(f"{src}: {spec.latent_key}={self.moe_latent_size} is not a positive multiple of "
+                                  "128 (the routed experts' width: EXL3 applies its Hadamard transform per 128 "
+                                  "channels)")
+        if self.moe_latent_size and not spec.latent_key:
+            raise CheckpointError(f"{src}: moe_latent_size={self.moe_latent_size}: {self.arch} has no latent MoE")
         if self.shared_intermediate_size < 0 or self.shared_intermediate_size % 128:
             raise CheckpointError(f"{src}: shared expert intermediate size {self.shared_intermediate_size} "
                                   f"(from {spec.shared}) is not a multiple of 128")

@@ -8,7 +8,8 @@
 Vulkan backend: the whole block on the device, ONE submission per call (vkmoe.ops.block: router shaders, the
 routed experts, shared experts, Gemma 4's RMSNorms, the sum); `block.record(rec, hidden, out)` appends it to a
 caller's command buffer. CPU backend: router in numpy (fp32; families in vkmoe.models.routing) -> routed experts
-through the registered `exl3_moe_mlp` (+ shared experts through `exl3_linear`, where the architecture has them).
+through the registered `exl3_moe_mlp` (+ shared experts through `exl3_linear`, where the architecture has them;
+NemotronH's LatentMoE: the routed experts between fc1/fc2_latent_proj, two more `exl3_linear`s).
 `block.reference(hidden)` is the same block in float64 with vkmoe.exl3.reference, for tests.
 """
 from __future__ import annotations
@@ -58,7 +59,9 @@ class SparseMoeBlock:
     shared_gate_weight: None or (1, H) (Qwen3-Next: the shared output is scaled by sigmoid(x · w));
     tid2eid: None or (vocab, top_k) int table (DeepSeek-V4 hash layers: expert ids by token id);
     per_expert_scale: None or (E,) (Gemma 4); norms: None or {role: (H,) RMSNorm weight} for every role in
-    config.NORM_ROLES (Gemma 4).
+    config.NORM_ROLES (Gemma 4); latent: None or {"in": (H x L), "out": (L x H)} Exl3Tensor, NemotronH's LatentMoE
+    fc1/fc2_latent_proj (required exactly when config.moe_latent_size is set): the routed experts then run at
+    width L on fc1(x) and fc2 brings their routing-weighted sum back to H.
     The router family is config.router_for(layer_index); a hash layer needs `input_ids` at call time. With
     `norms` (Gemma 4) `hidden` is the dense MLP's input and the router and routed experts read the residual
     stream, so the call needs `residual` (m, H) too: out = post_norm(routed(pre_norm(residual))) +
@@ -67,7 +70,7 @@ class SparseMoeBlock:
 
     def __init__(self, config: MoeConfig, router_weight, gate, up, down, e_score_correction_bias=None,
                  shared=None, shared_gate_weight=None, tid2eid=None, per_expert_scale=None, norms=None,
-                 layer_index=None, device=None, backend=None, dispatch=None):
+                 latent=None, layer_index=None, device=None, backend=None, dispatch=None):
         self.config = config
         self.layer_index = layer_index
         self.router = config.router_for(layer_index)
@@ -115,9 +118,10 @@ class SparseMoeBlock:
             up = [_divide_output(t, self.interm_div) for t in up]
         self.gate, self.up, self.down = gate, up, down
         self.shared = shared
+        self.latent = _check_latent(latent, config)
         self.activation = config.activation
         self.act_limit, self.shared_act_limit = config.act_limits_for(layer_index)
-        ops = ("exl3_moe_mlp", "exl3_linear") if shared else ("exl3_moe_mlp",)
+        ops = ("exl3_moe_mlp", "exl3_linear") if shared or self.latent else ("exl3_moe_mlp",)
         self.backend = backend or registry.select_backend(device=device, ops=ops)
         kw = {} if dispatch is None else {"dispatch": dispatch}
         self.moe = registry.create("exl3_moe_mlp", gate, up, down, activation=self.activation,
@@ -126,6 +130,10 @@ class SparseMoeBlock:
         if shared:
             self.shared_ops = {p: registry.create("exl3_linear", shared[p], backend=self.backend, device=device)
                                for p in _PROJS if shared.get(p) is not None}
+        self.latent_ops = None
+        if self.latent:
+            self.latent_ops = {r: registry.create("exl3_linear", t, backend=self.backend, device=device)
+                               for r, t in self.latent.items()}
         self.device_block = self._device_block() if self.backend == "vulkan" else None
         self._last_run = None
 
@@ -142,7 +150,8 @@ class SparseMoeBlock:
                               routed_scaling_factor=c.routed_scaling_factor, op_scale=self.interm_div or 1.0)
         return DeviceMoeBlock(device, router, self.moe, c.top_k, shared=self.shared_ops,
                               shared_gate_weight=self.shared_gate_weight, activation=self.activation,
-                              shared_act_limit=self.shared_act_limit, norms=self.norms, eps=c.rms_norm_eps)
+                              shared_act_limit=self.shared_act_limit, norms=self.norms, eps=c.rms_norm_eps,
+                              latent=self.latent_ops)
 
     # -------------------------------------------------------------------------------------- loading
     @classmethod
@@ -236,8 +245,14 @@ class SparseMoeBlock:
             return np.zeros((0, self.config.hidden_size), np.float32)
         ids, wts = self.route(h, input_ids, residual=residual)
         x16 = np.ascontiguousarray(h, dtype=np.float16)
-        out = np.asarray(self.moe(self._expert_input(h, residual), ids, self._op_weights(wts).astype(np.float32)),
-                         dtype=np.float32)
+        xe = self._expert_input(h, residual)
+        if self.latent_ops:  # LatentMoE: fc1's fp16 output feeds the experts, as exllamav3's latent_in hands on
+            xe = self.latent_ops["in"](xe)
+        out = np.asarray(self.moe(xe, ids, self._op_weights(wts).astype(np.float32)), dtype=np.float32)
+        if self.latent_ops:
+            # exllamav3 rounds the fp32 routed sum to fp16 for fc2 (latent_out), which writes fp32; vkmoe's
+            # linear writes fp16: one more rounding (2^-11 relative), well inside the block's tolerance.
+            out = self.latent_ops["out"](out.astype(np.float16)).astype(np.float32)
         if self.norms is not None:
             out = self._norm("routed_out", out, np.float32)
         if self.shared_ops:
@@ -317,7 +332,7 @@ class SparseMoeBlock:
         """Free the block's device objects (the routed and shared expert ops included)."""
         if self.device_block is not None:
             self.device_block.close()
-        for op in [self.moe, *(self.shared_ops or {}).values()]:
+        for op in [self.moe, *(self.shared_ops or {}).values(), *(self.latent_ops or {}).values()]:
             if hasattr(op, "close"):
                 op.close()
 
@@ -337,7 +352,8 @@ class SparseMoeBlock:
 
     def __repr__(self):
         c = self.config
-        return (f"SparseMoeBlock({c.arch}, layer={self.layer_index}, router={self.router}, H={c.hidden_size}, "
+        latent = f", latent={c.moe_latent_size}" if self.latent else ""
+        return (f"SparseMoeBlock({c.arch}, layer={self.layer_index}, router={self.router}, H={c.hidden_size}{latent}, "
                 f"I={c.moe_intermediate_size}, E={c.num_experts}, top_k={c.top_k}, "
                 f"shared={c.shared_intermediate_size if self.shared else 0}, backend={self.backend!r})")
 
@@ -355,6 +371,27 @@ def _check_tid2eid(tid2eid, config):
     return t.astype(np.int64)
 
 
+def _check_latent(latent, config):
+    """{"in", "out"} Exl3Tensors of a LatentMoE block (shapes H x L and L x H), or None; present exactly when
+    the config has moe_latent_size."""
+    H, L = config.hidden_size, config.moe_latent_size
+    if not L:
+        if latent is not None:
+            raise CheckpointError(f"latent: {config.arch} config has no moe_latent_size, so the block takes no "
+                                  "latent projections")
+        return None
+    if not isinstance(latent, dict) or set(latent) != {"in", "out"}:
+        raise CheckpointError(f"latent: moe_latent_size={L} needs {{'in': fc1_latent_proj, 'out': "
+                              f"fc2_latent_proj}} Exl3Tensors, got {latent!r:.80}")
+    for role, (k, n) in (("in", (H, L)), ("out", (L, H))):
+        t = latent[role]
+        if not isinstance(t, Exl3Tensor) or (t.k, t.n) != (k, n):
+            got = f"{t.k}x{t.n}" if isinstance(t, Exl3Tensor) else type(t).__name__
+            raise CheckpointError(f"latent[{role!r}]: expected an Exl3Tensor of {k}x{n} (in x out: hidden_size={H}, "
+                                  f"moe_latent_size={L}), got {got}")
+    return dict(latent)
+
+
 def block_reference(block: SparseMoeBlock, hidden, routing=None, input_ids=None, residual=None) -> np.ndarray:
     """float64 version of `block(hidden, input_ids)`: float64 router (unless `routing` = (ids, weights) is
     given), experts on the fp16-rounded hidden (what the block feeds its experts) through
@@ -367,8 +404,12 @@ def block_reference(block: SparseMoeBlock, hidden, routing=None, input_ids=None,
     ids, wts = routing
     x = h.astype(np.float16).astype(np.float64)
     xe = block._expert_input(h, residual).astype(np.float64)  # the experts' fp16 input, as the block feeds them
+    if block.latent:
+        xe = ref.linear_forward(xe, block.latent["in"], np.float64)
     out = ref.moe_forward(xe, ids, block._op_weights(np.asarray(wts, np.float64)), block.gate, block.up, block.down,
                           activation=block.activation, act_limit=block.act_limit, dtype=np.float64)
+    if block.latent:
+        out = ref.linear_forward(out, block.latent["out"], np.float64)
     if block.norms is not None:
         out = block._norm("routed_out", out, f64)
     if block.shared:
@@ -409,7 +450,7 @@ def load_block_tensors(ckpt: Checkpoint, config: MoeConfig, layer_index: int) ->
     if not config.is_moe_layer(layer_index):
         raise CheckpointError(f"{path}: layer {layer_index} is a dense MLP layer in {config.arch} "
                               f"(first_k_dense_replace / mlp_only_layers / sparse step / pattern), not a MoE block")
-    E, H, I = config.num_experts, config.hidden_size, config.moe_intermediate_size
+    E, H, I, W = config.num_experts, config.hidden_size, config.moe_intermediate_size, config.expert_size
     p = spec.prefix.format(layer=layer_index)
     if spec.alt_prefix and f"{p}.{spec.router_key}" not in ckpt:  # an older key style of the same tensors
         alt = spec.alt_prefix.format(layer=layer_index)
@@ -464,20 +505,36 @@ def load_block_tensors(ckpt: Checkpoint, config: MoeConfig, layer_index: int) ->
             raise MissingTensorError(f"{path}: tensor {p}.{spec.bias_keys[0]} not found ({config.arch} "
                                      f"{router} selection bias, {ek}={E}"
                                      + (f", {spec.bias_flag}=true)" if config.use_bias else ")"))
-    shapes = {"gate": (H, I), "up": (H, I), "down": (I, H)}
+    shapes = {"gate": (W, I), "up": (W, I), "down": (I, W)}  # W: the latent width in a LatentMoE
+    if config.moe_latent_size:
+        out["latent"] = _load_latent(src, p, config, path)
     for proj, name in zip(_PROJS, spec.expert_keys):
         out[proj] = None if name is None else [
             _load_linear(src, f"{p}.experts.{e}.{name}", *shapes[proj], path, f"expert {e} of {ek}={E}")
             for e in range(E)]
-    Is = config.shared_intermediate_size
-    if Is:
-        sshape = {"gate": (H, Is), "up": (H, Is), "down": (Is, H)}
-        why = f"shared expert, intermediate {Is} from {spec.shared}"
-        sp = spec.shared_key_prefix(layer_index, p)
-        ssrc = src if sp.startswith(p + ".") else ckpt.subset(sp + ".")
-        out["shared"] = {proj: None if name is None else _load_linear(ssrc, f"{sp}.{name}", *sshape[proj], path, why)
-                         for proj, name in zip(_PROJS, spec.shared_keys)}
+    if config.shared_intermediate_size:
+        out["shared"] = _load_shared(ckpt, src, p, config, layer_index)
         if spec.shared_gate:
             out["shared_gate_weight"] = plain(f"{p}.shared_expert_gate.weight", (1, H),
                                               f"sigmoid gate of the shared expert, hidden_size={H}")
     return out
+
+
+def _load_shared(ckpt, src, p, config, layer_index):
+    """The shared expert's {"gate", "up", "down"} Exl3Tensors ("gate" None when gateless), at the hidden size."""
+    spec, H, Is = config.spec, config.hidden_size, config.shared_intermediate_size
+    sshape = {"gate": (H, Is), "up": (H, Is), "down": (Is, H)}
+    why = f"shared expert, intermediate {Is} from {spec.shared}"
+    sp = spec.shared_key_prefix(layer_index, p)
+    ssrc = src if sp.startswith(p + ".") else ckpt.subset(sp + ".")
+    return {proj: None if name is None else _load_linear(ssrc, f"{sp}.{name}", *sshape[proj], ckpt.path, why)
+            for proj, name in zip(_PROJS, spec.shared_keys)}
+
+
+def _load_latent(src, p, config, path):
+    """NemotronH LatentMoE's projections: EXL3 linears in exllamav3 checkpoints (its BlockSparseMLP builds them
+    as quantized Linear layers, like the experts), fc1 H -> L before the routed experts, fc2 L -> H after."""
+    H, L = config.hidden_size, config.moe_latent_size
+    why = f"LatentMoE projection, hidden_size={H}, {config.spec.latent_key}={L}"
+    return {"in": _load_linear(src, f"{p}.fc1_latent_proj", H, L, path, why),
+            "out": _load_linear(src, f"{p}.fc2_latent_proj", L, H, path, why)}

@@ -11,6 +11,9 @@ Phases (one barrier after each; the dispatches inside a phase are independent), 
     [Gemma 4: routed-out RMSNorm] -> out += shared (· sigmoid(gate)) (Gemma 4: += RMSNorm(shared))
 Without a shared expert: router, then the routed experts' three. A persistent routed launch runs alone, after the
 shared expert's phases.
+NemotronH's LatentMoE: fc1_latent_proj's input Hadamard joins the router phase and its GEMM the next (with the
+shared up GEMM), so the routed experts start one phase later and run at the latent width L into an fp32 (m, L)
+sum; then fp16(sum), fc2_latent_proj's Hadamard, its GEMM and out = fp32(fc2), each a phase, before the shared sum.
 """
 from collections import OrderedDict
 import itertools
@@ -39,12 +42,15 @@ class NormPush(PushConstants):
 
 class _Scratch:
     """The device buffers of one batch size m (all device-local; a caller's recording may use them). z16, e16:
-    Gemma 4's normed router input and routed-expert input."""
+    Gemma 4's normed router input and routed-expert input; xl (fp16), rl (fp32), r16 (fp16), y16 (fp16, (m, H)):
+    LatentMoE's fc1 output, routed sum, its fp16 copy and fc2's output (L = 0: none)."""
 
-    def __init__(self, device, m, H, E, top_k, shared_n, normed):
-        names = ["x16", "logits", "ids", "weights", "gate_logits", "u", "g", "p", "s", "z16", "e16"]
+    def __init__(self, device, m, H, E, top_k, shared_n, normed, L=0):
+        names = ["x16", "logits", "ids", "weights", "gate_logits", "u", "g", "p", "s", "z16", "e16",
+                 "xl", "rl", "r16", "y16"]
         sizes = [m * H * 2, m * E * 4, m * top_k * 4, m * top_k * 4, m * 4, m * shared_n * 2, m * shared_n * 2,
-                 m * shared_n * 2, m * H * 2, m * H * 2 * normed, m * H * 2 * normed]
+                 m * shared_n * 2, m * H * 2, m * H * 2 * normed, m * H * 2 * normed,
+                 m * L * 2, m * L * 4, m * L * 2, m * H * 2 * bool(L)]
         self.buffers = device.memory.allocate_all([max(16, n) for n in sizes])
         for name, buf in zip(names, self.buffers):
             setattr(self, name, buf)
@@ -59,12 +65,22 @@ class DeviceMoeBlock:
     experts; shared: None or {"up", "down"[, "gate"]} Exl3Linear (gate absent when the activation is gateless);
     shared_gate_weight: None or (1, H) (sigmoid gate of the shared output); activation / shared_act_limit: the
     shared expert's; norms: None or {"router", "routed_in", "routed_out", "shared_out": (H,) RMSNorm weight}
-    with `eps` (Gemma 4: the router and the routed experts read the normed residual, which calls then pass)."""
+    with `eps` (Gemma 4: the router and the routed experts read the normed residual, which calls then pass);
+    latent: None or {"in": H -> L, "out": L -> H} Exl3Linear (NemotronH's LatentMoE: `moe` runs at width L)."""
 
     def __init__(self, device, router, moe, top_k, shared=None, shared_gate_weight=None, activation="silu",
-                 shared_act_limit=0.0, norms=None, eps=1e-6):
+                 shared_act_limit=0.0, norms=None, eps=1e-6, latent=None):
         self.device, self.router, self.moe, self.top_k = device, router, moe, top_k
-        self.H, self.E = moe.H, router.E
+        self.latent = latent
+        self.H, self.E, self.L = moe.H, router.E, 0
+        if latent is not None:
+            self.H, self.L = latent["in"].k, moe.H
+            if (latent["in"].n, latent["out"].k, latent["out"].n) != (self.L, self.L, self.H):
+                raise ValueError(f"latent: expected fc1 {self.H}x{self.L} and fc2 {self.L}x{self.H} (the routed "
+                                 f"experts' width {self.L}), got {latent['in'].k}x{latent['in'].n} and "
+                                 f"{latent['out'].k}x{latent['out'].n}")
+            if norms is not None:
+                raise ValueError("latent: a LatentMoE block has no RMSNorms (norms must be None)")
         self.shared = shared
         self.shared_n = shared["up"].n if shared else 0
         self.gate_gemv = RouterGemv(device, shared_gate_weight) if shared_gate_weight is not None else None
@@ -89,7 +105,7 @@ class DeviceMoeBlock:
     def _scratch_for(self, m):
         if m not in self._scratch:
             self._scratch[m] = _Scratch(self.device, m, self.H, self.E, self.top_k, self.shared_n,
-                                        self.norms is not None)
+                                        self.norms is not None, self.L)
         return self._scratch[m]
 
     def _elem(self, cmd, mode, bufs, elements, cols=1, has_gate=False):
@@ -141,14 +157,23 @@ class DeviceMoeBlock:
             router_in, router_f32, experts_in = s.z16, False, s.e16
         steps = self.router.steps(router_in, router_f32, tokens_buf, s.logits, s.ids, s.weights, m)
         shared = self._shared_phases(x16, s, m) if self.shared else [[]]
+        first, rest, routed_out, ahead = steps + shared[0], shared[1:], out_buf, []
+        if self.latent is not None:  # fc1 beside the router and the shared expert's first GEMMs
+            fc1 = self.latent["in"].stages(experts_in, s.xl, m)
+            first.append(fc1[0])
+            ahead = [[fc1[1]] + (rest[0] if rest else [])]
+            rest, experts_in, routed_out = rest[1:], s.xl, s.rl
         if mode == "split":
-            routed = [[st] for st in self.moe.split_stages(experts_in, s.ids, s.weights, out_buf, m, self.top_k)]
-            later = [r + sh for r, sh in itertools.zip_longest(routed, shared[1:], fillvalue=[])]
+            routed = [[st] for st in self.moe.split_stages(experts_in, s.ids, s.weights, routed_out, m,
+                                                          self.top_k)]
+            later = ahead + [r + sh for r, sh in itertools.zip_longest(routed, rest, fillvalue=[])]
         else:  # a persistent launch wants the whole device: nothing runs beside it
             def persistent(cmd):
-                self.moe.record(cmd, experts_in, s.ids, s.weights, out_buf, m, self.top_k, mode=mode)
-            later = shared[1:] + [[persistent]]
-        phases = ([pre] if pre else []) + [steps + shared[0]] + later
+                self.moe.record(cmd, experts_in, s.ids, s.weights, routed_out, m, self.top_k, mode=mode)
+            later = ahead + rest + [[persistent]]
+        phases = ([pre] if pre else []) + [first] + later
+        if self.latent is not None:
+            phases += self._latent_tail(s, out_buf, m)
         if self.norms is not None:
             phases.append([lambda cmd: self._rmsnorm(cmd, "routed_out", out_buf, True, out_buf, True, m)])
         if self.shared:
@@ -169,6 +194,15 @@ class DeviceMoeBlock:
         act = lambda cmd: self._elem(cmd, layout.ELEM_ACTIVATE, (s.g, s.u, s.p), m * self.shared_n)  # noqa: E731
         down = ops["down"].stages(s.p, s.s, m)
         return [first, second, [act], [down[0]], [down[1]]]
+
+    def _latent_tail(self, s, out_buf, m):
+        """LatentMoE after the routed experts: the fp32 (m, L) sum rounded to fp16 (exllamav3 hands fc2 an fp16
+        input too), fc2_latent_proj's two dispatches, then out = fp32(fc2's fp16 output): one phase each."""
+        L, H = self.L, self.H
+        to16 = lambda cmd: self._elem(cmd, layout.ELEM_TO_F16, (s.rl, s.rl, s.r16), m * L)  # noqa: E731
+        fc2 = self.latent["out"].stages(s.r16, s.y16, m)
+        to32 = lambda cmd: self._elem(cmd, layout.ELEM_TO_F32, (s.y16, s.y16, out_buf), m * H)  # noqa: E731
+        return [[to16], [fc2[0]], [fc2[1]], [to32]]
 
     def _shared_sum(self, cmd, s, out_buf, m):
         if self.norms is not None:  # out += RMSNorm(shared), in fp32
@@ -299,7 +333,7 @@ class DeviceMoeBlock:
         if m not in self._pinned and all(k[0] != m for k in self._calls):
             self._scratch.pop(m).close()
             self.moe.release_shape(m, self.top_k)
-            for op in (self.shared or {}).values():
+            for op in [*(self.shared or {}).values(), *(self.latent or {}).values()]:
                 op.release_shape(m)
 
     def close(self):
