@@ -127,3 +127,29 @@ def test_persistent_refused_when_coop_applies(monkeypatch, device, emulated):
         hb, ib, wb, ob = moe._io_for(64, 2)
         with vkmoe.CommandRecorder(device) as cmd, pytest.raises(ValueError, match="cooperative matrices"):
             moe.record(cmd, hb, ib, wb, ob, 64, 2, mode="persistent")
+
+
+# ------------------------------------------------------------------------------------------ partial rows
+def test_partial_tiles_do_not_overlap():
+    """The chunk tables the routing writes (chunks of <= 64 rows per expert, sorted rows contiguous) with the
+    partial row of chunk c at p0 + COOP_MOE_ROW_SLACK * c (partial_row0 in moe_stages.glsl): the whole m-tiles the
+    matrix unit stores never reach the next chunk's rows nor past layout.moe_partial_rows."""
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        E, top_k, m = int(rng.integers(1, 20)), int(rng.integers(1, 4)), int(rng.integers(1, 300))
+        counts = np.bincount(rng.integers(0, E, m * top_k), minlength=E)
+        p = plan.MoePlan(m, top_k, layout.COOP_ROWS_NARROW, min(E, m * top_k) + -(-m * top_k // 64), 1, 4, 1, 4, True)
+        chunks, p0 = [], 0
+        for n in counts:
+            for first in range(0, n, 64):
+                chunks.append((p0 + first, min(64, n - first)))
+            p0 += n
+        assert len(chunks) <= p.max_chunks
+        end = 0
+        for c, (first, nr) in enumerate(chunks):
+            q0 = first + layout.COOP_MOE_ROW_SLACK * c
+            assert q0 >= end
+            end = q0 + -(-nr // layout.TILE) * layout.TILE
+        assert end <= layout.moe_partial_rows(p)
+        sizes = layout.scratch_bytes(p, 128, 128)
+        assert sizes["partial_split"] == 4 * layout.moe_partial_rows(p) * 128 * 2
