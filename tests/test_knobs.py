@@ -70,7 +70,7 @@ def test_moe_splits_knob_sets_the_plan(monkeypatch):
     """VKMOE_MOE_SPLITS forces the k-splits (within the plan's bounds: at least 4 k-tiles per split)."""
     from vkmoe.ops.plan import moe_plan
 
-    dev = SimpleNamespace(compute_units=132, quirks={"loop_iteration_cap": None})
+    dev = SimpleNamespace(compute_units=132, quirks={"loop_iteration_cap": None}, features={})  # no coop
     monkeypatch.setenv("VKMOE_MOE_SPLITS", "4,3")
     p = moe_plan(dev, 1, 8, 128, 2048, 768, True)
     assert (p.splits_gu, p.kt_gu, p.splits_d, p.kt_d) == (4, 32, 3, 16)

@@ -46,6 +46,9 @@ COOP_KSTEP = 4
 COOP_SHAPE = (16, 16, 16)
 COOP_SUBGROUP = 32
 COOP_PAD = 8
+# The MoE's cooperative-matrix stages (moe_gate_up_coop.comp, moe_down_coop.comp) store whole 16-row m-tiles of a
+# chunk's partial: chunk c's rows start this many rows per chunk past its sorted position (moe_partial_rows).
+COOP_MOE_ROW_SLACK = TILE - 1
 
 # ------------------------------------------------------------------------------------ sync buffer (words)
 # Counters reset themselves; the host zero-fills once at creation and again only after an aborted launch.
@@ -98,18 +101,25 @@ def sync_words(m, max_chunks, H, I):
             + max_chunks)
 
 
+def moe_partial_rows(plan):
+    """Rows of one k-split of the MoE GEMM partials (partial_rows in moe_stages.glsl): R, plus the slack of the
+    cooperative-matrix stages' whole m-tiles (partial_row0)."""
+    return plan.m * plan.top_k + (COOP_MOE_ROW_SLACK * plan.max_chunks if getattr(plan, "coop", False) else 0)
+
+
 def scratch_bytes(plan, H, I):
     """Bytes of each per-batch-shape MoE scratch buffer, by binding name (plan: ops.plan.MoePlan)."""
     R = plan.m * plan.top_k
+    P = moe_partial_rows(plan)
     return {
         "route": 4 * route_words(plan.m, plan.top_k, plan.max_chunks),
         "states": 2 * (2 * R * H),      # fp16 [2][R][H]: gate and up inputs
         "inter": 2 * (R * I),           # fp16 [R][I]: down input
-        # fp32 k-split partials: gate/up [2][splits_gu][R][I], then down [splits_d][R][H] (partial_down in
-        # moe_stages.glsl: the persistent kernel runs a chunk's down GEMM while others are in gate/up); the split
-        # dispatches need only the larger of the two ("partial_split")
-        "partial": 4 * (2 * plan.splits_gu * R * I + plan.splits_d * R * H),
-        "partial_split": 4 * max(2 * plan.splits_gu * R * I, plan.splits_d * R * H),
+        # fp32 k-split partials: gate/up [2][splits_gu][P][I], then down [splits_d][P][H] (P = moe_partial_rows;
+        # partial_down in moe_stages.glsl: the persistent kernel runs a chunk's down GEMM while others are in
+        # gate/up); the split dispatches need only the larger of the two ("partial_split")
+        "partial": 4 * (2 * plan.splits_gu * P * I + plan.splits_d * P * H),
+        "partial_split": 4 * max(2 * plan.splits_gu * P * I, plan.splits_d * P * H),
         "rows": 4 * (R * H),            # fp32 [R][H]: one row per (token, slot)
         "sync": 4 * sync_words(plan.m, plan.max_chunks, H, I),
     }
@@ -163,6 +173,12 @@ def coop_shared_bytes(rows):
     return 2 * kstep * (BAND + COOP_PAD) + 2 * rows * (kstep + COOP_PAD) + 4 * 4 * BAND + 16
 
 
+def coop_moe_shared_bytes():
+    """Shared memory of moe_gate_up_coop.comp / moe_down_coop.comp: the linear's narrow tile (coop_shared_bytes)
+    plus the tile's A row indices and the token-done flags (16 bytes)."""
+    return coop_shared_bytes(COOP_ROWS_NARROW) + 4 * COOP_ROWS_NARROW + 16
+
+
 def dequant_grid(k, n):
     """exl3_dequant.comp: one invocation per 8-lane share of a tile."""
     return ceil_div((k // TILE) * (n // TILE) * 8, WORKGROUP_SIZE)
@@ -189,6 +205,7 @@ def _defines():
     yield "COOP_ROWS_WIDE", f"{COOP_ROWS_WIDE}u"
     yield "COOP_KSTEP", f"{COOP_KSTEP}u"
     yield "COOP_PAD", f"{COOP_PAD}u"
+    yield "COOP_MOE_ROW_SLACK", f"{COOP_MOE_ROW_SLACK}u"
     for name in ("ABORT", "RETIRED", "ROUTED", "STAGE1_DONE", "COUNTERS"):
         yield f"SYNC_{name}", f"{globals()['SYNC_' + name]}u"
     yield "MOE_MODE_RUN", f"{MOE_MODE_RUN}u"

@@ -9,14 +9,21 @@
 // COOP_EMULATE builds the same data flow with a plain fp32 multiply in place of the matrix unit (no
 // cooperative-matrix capability): what lavapipe tests (tests/test_coopmat.py).
 //
-// The includer defines COOP_BM (rows per tile, a multiple of 16), WG_SIZE = 256, K and CB, gemm_b_word /
-// gemm_b_word4 (exl3_tile_load.glsl), uvec4 coop_a_word4(uint index4) (A as packed fp16, 16 bytes at a time) and
-// the fp32 buffer partial[] the results go to, and includes exl3_decode.glsl with EXL3_F16 defined. Needs
-// subgroups of COOP_SUBGROUP (32) invocations: one per n-tile of the band.
+// The includer defines COOP_BM (rows per tile, a multiple of 16), WG_SIZE = 256, CB, gemm_b_word /
+// gemm_b_word4 (exl3_tile_load.glsl), uvec4 coop_a_word4(int src, uint index4) (A as packed fp16, 16 bytes at a
+// time) and the fp32 buffer partial[] the results go to, and includes exl3_decode.glsl with EXL3_F16 defined.
+// Optional: COOP_A_ROW(row0, r), the index in A of the tile's row r (default row0 + r: contiguous rows; the MoE
+// gathers its rows by (token, slot)). Needs subgroups of COOP_SUBGROUP (32) invocations: one per n-tile of the
+// band. The weights (source b_src, K = kb bits, starting at word b_base) and A (source a_src) are arguments, so
+// one shader may run several projections (the MoE's gate, up and down experts).
 #ifndef EXL3_GEMM_COOP_GLSL
 #define EXL3_GEMM_COOP_GLSL
 
 #include "exl3_tile_load.glsl"
+
+#ifndef COOP_A_ROW
+#define COOP_A_ROW(row0, r) ((row0) + (r))
+#endif
 
 #define COOP_KDEPTH (COOP_KSTEP * 16u)           // k per step
 #define COOP_B_STRIDE (BAND + COOP_PAD)           // fp16 elements per k-row of the decoded step
@@ -38,19 +45,20 @@ float coop_emu[COOP_MT * 8u];
 #endif
 
 // This invocation's lane of one tile of step kt: its K words and the word before them (the tail-biting wrap).
-void coop_load_lane(uint kt, uint tiles_n, uint band, out uint words[8], out uint prev) {
+void coop_load_lane(int b_src, int kb, uint b_base, uint kt, uint tiles_n, uint band, out uint words[8],
+                    out uint prev) {
     uint tid = gl_LocalInvocationID.x, q = tid & 7u, t = tid >> 3;
-    uint tile_words = 8u * uint(K);
-    uint base = ((kt + (t >> 3)) * tiles_n + band * 8u + (t & 7u)) * tile_words;
-    gemm_load_lane(0, K, base + uint(K) * q, words);
-    prev = gemm_b_word(0, base + (uint(K) * q + tile_words - 1u) % tile_words);
+    uint tile_words = 8u * uint(kb);
+    uint base = b_base + ((kt + (t >> 3)) * tiles_n + band * 8u + (t & 7u)) * tile_words;
+    gemm_load_lane(b_src, kb, base + uint(kb) * q, words);
+    prev = gemm_b_word(b_src, base + (uint(kb) * q + tile_words - 1u) % tile_words);
 }
 
 // Decode the lane into coop_b: pair i of the lane holds k-rows (row, row + 1) of column q or q + 8 of its tile.
-void coop_decode_lane(uint words[8], uint prev) {
+void coop_decode_lane(int kb, uint words[8], uint prev) {
     uint tid = gl_LocalInvocationID.x, q = tid & 7u, t = tid >> 3;
     f16vec2 hv[16];
-    decode_lane_h(K, CB, words, prev, hv);
+    decode_lane_h(kb, CB, words, prev, hv);
     uint k0 = (t >> 3) * 16u, c0 = (t & 7u) * 16u + q;
     [[unroll]] for (int i = 0; i < 16; ++i) {
         uint row = k0 + 2u * uint(i >> 2) + 8u * uint(i & 1), col = c0 + 8u * uint((i >> 1) & 1);
@@ -60,10 +68,10 @@ void coop_decode_lane(uint words[8], uint prev) {
 }
 
 // This invocation's share of the step's A rows (zeros past row nr): COOP_A_VEC4 / WG_SIZE 16-byte loads.
-void coop_load_a(uint row0, uint nr, uint k, uint kt, out uvec4 a[COOP_A_VEC4 / WG_SIZE]) {
+void coop_load_a(int a_src, uint row0, uint nr, uint k, uint kt, out uvec4 a[COOP_A_VEC4 / WG_SIZE]) {
     [[unroll]] for (uint p = 0u; p < COOP_A_VEC4 / WG_SIZE; ++p) {
         uint idx = p * WG_SIZE + gl_LocalInvocationID.x, r = idx / (COOP_KDEPTH / 8u), c8 = idx % (COOP_KDEPTH / 8u);
-        a[p] = r < nr ? coop_a_word4(((row0 + r) * k + kt * 16u) / 8u + c8) : uvec4(0u);
+        a[p] = r < nr ? coop_a_word4(a_src, (COOP_A_ROW(row0, r) * k + kt * 16u) / 8u + c8) : uvec4(0u);
     }
 }
 
@@ -91,20 +99,21 @@ void coop_emu_multiply_step() {
         }
 }
 
-void coop_emu_store(uint base, uint stride) {
+void coop_emu_store(uint base, uint stride, uint nr) {
     uint lane = gl_LocalInvocationID.x & 31u;
     for (uint mt = 0u; mt < COOP_MT; ++mt)
         for (uint e = 0u; e < 8u; ++e)
-            partial[base + (mt * 16u + (lane * 8u + e) / 16u) * stride + (lane * 8u + e) % 16u] = coop_emu[mt * 8u + e];
+            if (mt * 16u < nr) partial[base + (mt * 16u + (lane * 8u + e) / 16u) * stride + (lane * 8u + e) % 16u] = coop_emu[mt * 8u + e];
 }
 #endif
 
 // C = A · Ŵ for rows row0 .. row0+nr-1 (A rows of k fp16 values) over k-tiles kt0 .. kt1-1 (a multiple of
 // COOP_KSTEP apart), stored to the includer's partial[] (fp32): this subgroup's n-tile, m-tile mt at
-// out_base + mt * 16 * out_stride, rows out_stride apart. kt0, kt1 and nr are workgroup-uniform. The accumulators
-// are locals of this one function (the NVIDIA driver gave wrong sums for a module-level array of them).
-void coop_gemm(uint row0, uint nr, uint k, uint tiles_n, uint band, uint kt0, uint kt1, uint out_base,
-               uint out_stride) {
+// out_base + mt * 16 * out_stride, rows out_stride apart; m-tiles wholly past row nr are not stored (so a partial
+// tile writes only ceil(nr / 16) * 16 rows). kt0, kt1 and nr are workgroup-uniform. The accumulators are locals
+// of this one function (the NVIDIA driver gave wrong sums for a module-level array of them).
+void coop_gemm(int a_src, int b_src, int kb, uint b_base, uint row0, uint nr, uint k, uint tiles_n, uint band,
+               uint kt0, uint kt1, uint out_base, uint out_stride) {
 #ifdef COOP_EMULATE
     for (uint i = 0u; i < COOP_MT * 8u; ++i) coop_emu[i] = 0.0;
 #else
@@ -115,15 +124,15 @@ void coop_gemm(uint row0, uint nr, uint k, uint tiles_n, uint band, uint kt0, ui
     uint words[8], prev;
     uvec4 a[COOP_A_VEC4 / WG_SIZE];
     if (kt0 < kt1) {
-        coop_load_lane(kt0, tiles_n, band, words, prev);
-        coop_load_a(row0, nr, k, kt0, a);
+        coop_load_lane(b_src, kb, b_base, kt0, tiles_n, band, words, prev);
+        coop_load_a(a_src, row0, nr, k, kt0, a);
     }
     for (uint kt = kt0; kt < kt1; kt += COOP_KSTEP) {
-        coop_decode_lane(words, prev);
+        coop_decode_lane(kb, words, prev);
         coop_store_a(a);
         if (kt + COOP_KSTEP < kt1) {  // the next step's loads fly during this step's multiplications
-            coop_load_lane(kt + COOP_KSTEP, tiles_n, band, words, prev);
-            coop_load_a(row0, nr, k, kt + COOP_KSTEP, a);
+            coop_load_lane(b_src, kb, b_base, kt + COOP_KSTEP, tiles_n, band, words, prev);
+            coop_load_a(a_src, row0, nr, k, kt + COOP_KSTEP, a);
         }
         barrier();
 #ifdef COOP_EMULATE
@@ -145,10 +154,10 @@ void coop_gemm(uint row0, uint nr, uint k, uint tiles_n, uint band, uint kt0, ui
         barrier();
     }
 #ifdef COOP_EMULATE
-    coop_emu_store(out_base, out_stride);
+    coop_emu_store(out_base, out_stride, nr);
 #else
     [[unroll]] for (uint mt = 0u; mt < COOP_MT; ++mt)
-        coopMatStore(acc[mt], partial, out_base + mt * 16u * out_stride, out_stride, gl_CooperativeMatrixLayoutRowMajor);
+        if (mt * 16u < nr) coopMatStore(acc[mt], partial, out_base + mt * 16u * out_stride, out_stride, gl_CooperativeMatrixLayoutRowMajor);
 #endif
 }
 

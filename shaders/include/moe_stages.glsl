@@ -12,7 +12,10 @@
 //              token's rows in slot order (deterministic)
 // Only route -> 1 -> 2+3 -> 4+5 need a device-wide barrier (pipeline barrier or spin barrier).
 //
-// Includer: defines WG_SIZE 256u, HAD_ROWS 4u and includes common.glsl and moe_bindings.glsl first.
+// Includer: defines WG_SIZE 256u, HAD_ROWS 4u and includes common.glsl and moe_bindings.glsl first. With
+// MOE_COOP (and COOP_BM, EXL3_F16) the GEMMs of stages 2 and 4 run on cooperative matrices (exl3_gemm_coop.glsl:
+// moe_gate_up_coop.comp, moe_down_coop.comp): chunks of up to COOP_BM rows of one expert; the routing, stage 1
+// and the band tails (stages 3 and 5) are the same code.
 
 #ifndef MOE_STAGES_GLSL
 #define MOE_STAGES_GLSL
@@ -70,7 +73,16 @@ void moe_signal(uint word) {
 
 #include "exl3_decode.glsl"
 #include "hadamard128.glsl"
+#ifdef MOE_COOP
+// The A row of each row of the chunk's tile (gate/up: gathered by (token, slot); down: the chunk's own rows).
+// 64 words: a multiple of 16 bytes, as every shared variable of a cooperative-matrix shader must be.
+shared uint coop_row[COOP_BM];
+#define COOP_A_ROW(row0, r) coop_row[r]
+uvec4 coop_a_word4(int src, uint index) { return gemm_a_word4(src, index); }
+#include "exl3_gemm_coop.glsl"
+#else
 #include "exl3_gemm.glsl"
+#endif
 
 bool valid_expert(int e) { return e >= 0 && uint(e) < pc.E; }
 
@@ -253,13 +265,25 @@ float activate(float g, float u) {
 // ------------------------------------------------------------------- shared GEMM plumbing of stages 2 and 4
 #define LAST_ARRIVAL_BUF sync_words
 #include "last_arrival.glsl"
-shared bool s_token_done[4];
+shared uint s_token_done[4];  // 16 bytes (see coop_row)
+
+// Rows of one k-split's GEMM partial. The FMA core stores a chunk's rows at their sorted positions p0 ..; the
+// cooperative-matrix core stores whole 16-row m-tiles, so chunk c starts at row p0 + COOP_MOE_ROW_SLACK * c
+// (its last m-tile then ends before the next chunk's first row) and a split holds R + 15 max_chunks rows
+// (layout.moe_partial_rows).
+#ifdef MOE_COOP
+uint partial_rows() { return R() + COOP_MOE_ROW_SLACK * pc.max_chunks; }
+uint partial_row0(uint c, uint p0) { return p0 + COOP_MOE_ROW_SLACK * c; }
+#else
+uint partial_rows() { return R(); }
+uint partial_row0(uint c, uint p0) { return p0; }
+#endif
 
 // --------------------------------------------------------------------- stage 2 (+3): gate/up GEMM, activation
 uint gu_projections() { return GATED ? 2u : 1u; }
 uint gu_items_per_chunk() { return (pc.I / 128u) * gu_projections() * pc.splits_gu; }
 
-void moe_stage3(uint e, uint p0, uint nr, uint band);
+void moe_stage3(uint e, uint p0, uint q0, uint nr, uint band);
 
 void moe_gate_up(uint item) {
     uint s = item % pc.splits_gu;
@@ -271,7 +295,21 @@ void moe_gate_up(uint item) {
     uint nr = wg_uniform(route[route_chunk(c) + 2u]);
     uint tiles_k = pc.H / 16u, tiles_n = pc.I / 16u;
     uint kt0 = s * pc.kt_gu, kt1 = min(tiles_k, kt0 + pc.kt_gu);
+    // One GEMM call, not one per projection in an if/else: Mesa 22.3's lavapipe skips a loop inside a branch of
+    // a shader with barriers. K folds to a constant when gate and up share their bit width.
+    int k_bits = proj == 0u ? K_GATE : K_UP;
+    uint b_base = e * tiles_k * tiles_n * 8u * uint(k_bits), q0 = partial_row0(c, p0);
+    uint counter = counters_gu() + c * (pc.I / 128u) + band, arrivals = gu_projections() * pc.splits_gu;
+    uint base = (proj * pc.splits_gu + s) * partial_rows() * pc.I;
     // Each row's input lives at its (token, slot) index (see stage 1).
+#ifdef MOE_COOP
+    uint tid = gl_LocalInvocationID.x;
+    if (tid < COOP_BM) coop_row[tid] = proj * R() + route[route_row_flat(p0 + min(tid, nr - 1u))];
+    barrier();
+    coop_gemm(0, int(proj), k_bits, b_base, 0u, nr, pc.H, tiles_n, band, kt0, kt1,
+              base + q0 * pc.I + band * BAND + COOP_NT * 16u, pc.I);
+    bool last = wg_last_arrival(counter, arrivals);
+#else
     [[unroll]] for (int r = 0; r < GEMM_ROWS; ++r)
         gemm_row_base[r] = (proj * R() + route[route_row_flat(p0 + min(uint(r), nr - 1u))]) * (pc.H / 2u);
     gemm_clear();
@@ -279,36 +317,35 @@ void moe_gate_up(uint item) {
     moe_dep_word = SYNC_STAGE1_DONE;   // the rows' states, written by every workgroup's stage-1 share
     moe_dep_target = pc.num_workgroups;
 #endif
-    // One call, not one per projection in an if/else: Mesa 22.3's lavapipe skips a loop inside a branch of a
-    // shader with barriers. K folds to a constant when gate and up share their bit width.
-    int k_bits = proj == 0u ? K_GATE : K_UP;
-    gemm_accumulate(0, int(proj), k_bits, CB, nr, e * tiles_k * tiles_n * 8u * uint(k_bits), tiles_n, band, kt0, kt1);
-    uint base = (proj * pc.splits_gu + s) * R() * pc.I;
-    if (gemm_finish_partial(base, pc.I, p0, nr, band, counters_gu() + c * (pc.I / 128u) + band,
-                            gu_projections() * pc.splits_gu)) {
-        moe_stage3(e, p0, nr, band);
+    gemm_accumulate(0, int(proj), k_bits, CB, nr, b_base, tiles_n, band, kt0, kt1);
+    bool last = gemm_finish_partial(base, pc.I, p0, nr, band, counter, arrivals);
+#endif
+    if (last) {
+        moe_stage3(e, p0, q0, nr, band);
 #ifdef MOE_DEPENDENCY_WAITS
         moe_signal(counters_chunk_done() + c);  // one more 128-band of this chunk's down input is written
 #endif
     }
 }
 
-float gu_sum(uint proj, uint p, uint col) {
+// Partial row q (partial_row0) of projection proj, summed over the k-splits.
+float gu_sum(uint proj, uint q, uint col) {
     float v = 0.0;
-    for (uint s = 0u; s < pc.splits_gu; ++s) v += partial[((proj * pc.splits_gu + s) * R() + p) * pc.I + col];
+    for (uint s = 0u; s < pc.splits_gu; ++s) v += partial[((proj * pc.splits_gu + s) * partial_rows() + q) * pc.I + col];
     return rn16(v);  // the fp16 GEMM output Ig / Iu
 }
 
 // Rows of one chunk, one 128-band of I: u = had_out(Iu, up.svh), g = had_out(Ig, gate.svh), p = act(g) * u,
-// inter = had_in(p, down.suh). Two rows per pass (had rows: 2 rr + 0 gate, 2 rr + 1 up).
-void moe_stage3(uint e, uint p0, uint nr, uint band) {
+// inter = had_in(p, down.suh). Two rows per pass (had rows: 2 rr + 0 gate, 2 rr + 1 up). The chunk's rows are
+// sorted rows p0 .., their partials rows q0 .. (partial_row0).
+void moe_stage3(uint e, uint p0, uint q0, uint nr, uint band) {
     uint tid = gl_LocalInvocationID.x;
     for (uint r0 = 0u; r0 < nr; r0 += 2u) {
         for (uint i = tid; i < 4u * 128u; i += WG_SIZE) {
             uint rr = i >> 8, proj = (i >> 7) & 1u, col = i & 127u;
             // gu_sum runs in every lane (its loop must not diverge, see hadamard128.glsl); rows past the chunk
             // read a valid row and are dropped.
-            float v = gu_sum(proj, min(p0 + r0 + rr, R() - 1u), band * 128u + col);
+            float v = gu_sum(proj, q0 + min(r0 + rr, nr - 1u), band * 128u + col);
             had_buf[i] = (r0 + rr < nr && (GATED || proj == 1u)) ? v : 0.0;
         }
         barrier();
@@ -343,9 +380,9 @@ uint down_items_per_chunk() { return (pc.H / 128u) * pc.splits_d; }
 // In the persistent kernel (num_workgroups > 0) the down partials follow the gate/up partials ([2][splits_gu][R][I])
 // instead of reusing them: a chunk's down GEMM runs while other chunks are still in gate/up. The split dispatches
 // are separated by pipeline barriers and reuse the space (layout.scratch_bytes sizes both).
-uint partial_down() { return pc.num_workgroups != 0u ? 2u * pc.splits_gu * R() * pc.I : 0u; }
+uint partial_down() { return pc.num_workgroups != 0u ? 2u * pc.splits_gu * partial_rows() * pc.I : 0u; }
 
-void moe_stage5(uint e, uint p0, uint nr, uint band);
+void moe_stage5(uint e, uint p0, uint q0, uint nr, uint band);
 
 void moe_down(uint item) {
     uint s = item % pc.splits_d;
@@ -355,26 +392,36 @@ void moe_down(uint item) {
     uint nr = wg_uniform(route[route_chunk(c) + 2u]);
     uint tiles_k = pc.I / 16u, tiles_n = pc.H / 16u;
     uint kt0 = s * pc.kt_d, kt1 = min(tiles_k, kt0 + pc.kt_d);
+    uint b_base = e * tiles_k * tiles_n * 8u * uint(K_DOWN), q0 = partial_row0(c, p0);
+    uint counter = counters_d() + c * (pc.H / 128u) + band, base = partial_down() + s * partial_rows() * pc.H;
+#ifdef MOE_COOP
+    uint tid = gl_LocalInvocationID.x;
+    if (tid < COOP_BM) coop_row[tid] = p0 + min(tid, nr - 1u);  // inter rows are the chunk's sorted rows
+    barrier();
+    coop_gemm(1, 2, K_DOWN, b_base, 0u, nr, pc.I, tiles_n, band, kt0, kt1,
+              base + q0 * pc.H + band * BAND + COOP_NT * 16u, pc.H);
+    bool last = wg_last_arrival(counter, pc.splits_d);
+#else
     [[unroll]] for (int r = 0; r < GEMM_ROWS; ++r) gemm_row_base[r] = (p0 + uint(r)) * (pc.I / 2u);
     gemm_clear();
 #ifdef MOE_DEPENDENCY_WAITS
     moe_dep_word = counters_chunk_done() + c;  // every 128-band of the chunk's inter (the down k dimension)
     moe_dep_target = pc.I / 128u;
 #endif
-    gemm_accumulate(1, 2, K_DOWN, CB, nr, e * tiles_k * tiles_n * 8u * uint(K_DOWN), tiles_n, band, kt0, kt1);
-    if (gemm_finish_partial(partial_down() + s * R() * pc.H, pc.H, p0, nr, band, counters_d() + c * (pc.H / 128u) + band,
-                            pc.splits_d))
-        moe_stage5(e, p0, nr, band);
+    gemm_accumulate(1, 2, K_DOWN, CB, nr, b_base, tiles_n, band, kt0, kt1);
+    bool last = gemm_finish_partial(base, pc.H, p0, nr, band, counter, pc.splits_d);
+#endif
+    if (last) moe_stage5(e, p0, q0, nr, band);
 }
 
-void moe_stage5(uint e, uint p0, uint nr, uint band) {
+void moe_stage5(uint e, uint p0, uint q0, uint nr, uint band) {
     uint tid = gl_LocalInvocationID.x;
     for (uint r0 = 0u; r0 < nr; r0 += 4u) {
         for (uint i = tid; i < 4u * 128u; i += WG_SIZE) {
             uint rr = i >> 7, col = band * 128u + (i & 127u);
             float v = 0.0;
-            uint p = min(p0 + r0 + rr, R() - 1u);  // every lane loops the same (see gu_sum's caller)
-            for (uint s = 0u; s < pc.splits_d; ++s) v += partial[partial_down() + (s * R() + p) * pc.H + col];
+            uint q = q0 + min(r0 + rr, nr - 1u);  // every lane loops the same (see gu_sum's caller)
+            for (uint s = 0u; s < pc.splits_d; ++s) v += partial[partial_down() + (s * partial_rows() + q) * pc.H + col];
             had_buf[i] = r0 + rr < nr ? rn16(v) : 0.0;  // the fp16 down GEMM output
         }
         barrier();
@@ -400,13 +447,13 @@ void moe_stage5(uint e, uint p0, uint nr, uint band) {
                     done = arrived + 1u == route[route_valid(t)];
                     if (done) atomicStore(sync_words[counter], 0u, gl_ScopeQueueFamily, gl_StorageSemanticsBuffer, gl_SemanticsRelaxed);
                 }
-                s_token_done[rr] = done;
+                s_token_done[rr] = uint(done);
             }
         }
         WG_BARRIER_DEVICE();
         for (uint i = tid; i < 4u * 128u; i += WG_SIZE) {
             uint rr = i >> 7, col = band * 128u + (i & 127u);
-            if (s_token_done[rr]) {
+            if (s_token_done[rr] != 0u) {
                 uint t = route[route_row_flat(p0 + r0 + rr)] / pc.top_k;
                 float v = 0.0;  // slot order: the same bits whichever expert finished last
                 [[unroll]] for (int s = 0; s < MAX_TOP_K; ++s)

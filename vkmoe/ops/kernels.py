@@ -63,6 +63,11 @@ def coop_linear_name(device, rows):
     return "exl3_linear_coop" + ("_idot" if uses_idot(device) else "") + ("_wide" if rows == COOP_ROWS_WIDE else "")
 
 
+def coop_moe_name(device, stage):
+    """The build of moe_{stage}_coop.comp ("gate_up" or "down") for `device`."""
+    return f"moe_{stage}_coop" + ("_idot" if uses_idot(device) else "")
+
+
 def pipeline(device, shader, push, spec=None, decode=False, binding_count=None):
     """The cached pipeline `shader` with specialization `spec`; `decode` shaders get the idot build when the
     device supports it. Pipelines live until the device closes."""

@@ -17,7 +17,7 @@ from ..exl3 import Exl3Tensor
 from ..layout import ACTIVATIONS, MAX_TOP_K, MOE_BINDINGS
 from ..layout import ROUTE_MAX_EXPERTS as MAX_EXPERTS
 from ..sched import occupancy
-from ..sched.plan import decide, persistent_plan
+from ..sched.plan import coop_split_reason, decide, persistent_plan
 from ..exl3.reference import check_op_routing
 from ..vk import CommandRecorder, DeviceClosedError, PushConstants, TimeoutError
 from . import kernels
@@ -381,7 +381,7 @@ class Exl3MoeMlp:
         spec, push = self._spec(plan), self._push(plan)
         grids = layout.split_grids(plan, self.H, self.I, self.gated)
 
-        def stage(shader, decode, grid):
+        def stage(shader, decode, grid, spec=spec):
             def run(cmd):
                 pipe = kernels.pipeline(dev, shader, MoePush, spec, decode=decode, binding_count=MOE_BINDINGS)
                 dset = pipe.bind(*buffers)
@@ -389,6 +389,11 @@ class Exl3MoeMlp:
                 return dset
             return run
 
+        if plan.coop:  # the GEMM stages on cooperative matrices; their fp16 decode as the linear's coop build
+            coop_spec = {**spec, layout.SPEC_F16_FMA_FUSED: kernels.f16_fma_fused(dev)}
+            return [stage("moe_route", False, grids[0]),
+                    stage(kernels.coop_moe_name(dev, "gate_up"), False, grids[1], coop_spec),
+                    stage(kernels.coop_moe_name(dev, "down"), False, grids[2], coop_spec)]
         return [stage(name, decode, grid) for (name, decode), grid in
                 zip((("moe_route", False), ("moe_gate_up", True), ("moe_down", True)), grids)]
 
@@ -455,6 +460,8 @@ class Exl3MoeMlp:
         if mode == "split":
             self._record_split(cmd, scratch, buffers)
         elif mode == "persistent":
+            if scratch.plan.coop:
+                raise ValueError(f"mode='persistent' is not possible here: {coop_split_reason(scratch.plan)}")
             pplan = persistent_plan(self.device, scratch.plan, self.E, self.H, self.I, self.gated,
                                     self.co_resident(scratch.plan), scratch.persistent_fits)
             if not pplan.allowed:

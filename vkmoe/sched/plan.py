@@ -89,6 +89,8 @@ def persistent_plan(device, moe_plan, E, H, I, gated, measured=None, scratch_fit
         return PersistentPlan(allowed, ok_auto and allowed, max(workgroups, 0), 1, source, reason,
                               spin_limit, loop_budget)
 
+    if getattr(moe_plan, "coop", False):
+        return plan(False, False, coop_split_reason(moe_plan))
     if not scratch_fits:
         return plan(False, False, "this batch's GEMM partials for the persistent kernel (gate/up and down at once) "
                                   "exceed the device's maxStorageBufferRange: the split path is used")
@@ -143,12 +145,21 @@ class Decision:
     reason: str
 
 
+def coop_split_reason(moe_plan):
+    """Why a batch planned on cooperative matrices runs split (a sentence)."""
+    return (f"m={moe_plan.m} runs the MoE GEMMs on cooperative matrices (VKMOE_COOPMAT, VKMOE_COOPMAT_MOE_MIN_M), "
+            "which only the split path has: the persistent kernel's FMA GEMMs would give other bits than split")
+
+
 def decide(device, moe_plan, requested, E, H, I, gated, co_resident=lambda: None, scratch_fits=True):
     """The Decision for a batch planned as `moe_plan` when `requested` ("auto", "persistent" or "split").
     `co_resident()` gives the persistent pipeline's own measured co-residency (ops measures it once per pipeline);
     it is called only when the persistent kernel is still a candidate, so a split decision measures nothing."""
     if requested == "split":  # no persistent knob is read: a bad VKMOE_PERSISTENT_* must not break split
         return Decision("split", None, "split requested")
+    if getattr(moe_plan, "coop", False):  # split and persistent must give the same bits: split only
+        prefix = "persistent requested but not possible: " if requested == "persistent" else "auto: split: "
+        return Decision("split", None, prefix + coop_split_reason(moe_plan))
     if requested == "auto":
         limit, source = auto_switch_point(device)
         if moe_plan.m > limit:

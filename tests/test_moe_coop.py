@@ -1,0 +1,155 @@
+"""The MoE GEMM stages on cooperative matrices (moe_gate_up_coop.comp, moe_down_coop.comp), as far as lavapipe
+(which lacks VK_KHR_cooperative_matrix) can test them: the plan's choice and its fallback, the knob's error, the
+split-only rule (persistent refused), and the stages' data flow (64-row chunks of one expert with A rows gathered
+by (token, slot), whole-m-tile partials, k-splits, the shared band tails) through their `_emulate` builds, which
+replace only the matrix-unit multiply. The cooperative-matrix builds themselves are checked on a GPU with
+`tools/check_coopmat --moe`."""
+import numpy as np
+import pytest
+
+import vkmoe
+from goldens import rel_rms
+from vkmoe import layout
+from vkmoe.exl3 import reference
+from vkmoe.exl3.synthetic import random_moe_layer
+from vkmoe.ops import kernels, plan
+from vkmoe.sched.plan import decide
+
+TOL = 3e-3
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    """The coop plan as on a device that has the feature, run by the emulate builds."""
+    monkeypatch.setattr(plan, "coop_moe_unavailable", lambda d: None)
+    monkeypatch.setattr(kernels, "coop_moe_name", lambda d, stage: f"moe_{stage}_coop_emulate")
+    monkeypatch.setenv("VKMOE_COOPMAT", "on")
+
+
+def _routing(m, E, top_k, seed, skip=0):
+    rng = np.random.default_rng([seed, m, E])
+    # skewed: expert 0 gets most rows (several 64-row chunks plus a partial one), others few
+    p = np.array([8.0] + [1.0] * (E - 1))
+    ids = np.stack([rng.choice(E, top_k, replace=False, p=p / p.sum()) for _ in range(m)]).astype(np.int32)
+    w = rng.random((m, top_k)).astype(np.float32)
+    for t in range(skip):  # ids outside [0, E): skipped (one slot, and every slot of the last token)
+        ids[t, 0] = -1 if t % 2 else E + 3
+    if skip:
+        ids[m - 1, :] = -1
+    return ids, w
+
+
+# (H, I, E, top_k, m, bits, activation, act_limit, splits, skip)
+CASES = [
+    pytest.param(256, 256, 3, 2, 120, 4, "silu", 0.0, None, 0, id="silu-chunks"),
+    pytest.param(128, 256, 4, 2, 90, (3, 4, 5), "silu", 6.0, None, 3, id="silu-mixed-bits-limit-skips"),
+    pytest.param(128, 256, 4, 3, 70, (2, 3, 4), "relu2", 0.0, None, 2, id="relu2-gateless"),
+    pytest.param(512, 512, 2, 1, 80, 3, "silu", 0.0, "2,2", 0, id="silu-ksplits"),
+]
+
+
+@pytest.mark.parametrize("H, I, E, top_k, m, bits, activation, act_limit, splits, skip", CASES)
+def test_emulated_stages(monkeypatch, device, emulated, H, I, E, top_k, m, bits, activation, act_limit, splits, skip):
+    if splits:
+        monkeypatch.setenv("VKMOE_MOE_SPLITS", splits)
+    gate, up, down = random_moe_layer(H, I, E, bits=bits, activation=activation, seed=H + I + m)
+    ids, w = _routing(m, E, top_k, seed=m, skip=skip)
+    x = np.random.default_rng(m).standard_normal((m, H)).astype(np.float16)
+    p = plan.moe_plan(device, m, top_k, E, H, I, activation != "relu2")
+    assert p.coop and p.rows == layout.COOP_ROWS_NARROW
+    assert p.kt_gu % layout.COOP_KSTEP == 0 and p.kt_d % layout.COOP_KSTEP == 0
+    if splits:
+        assert p.splits_gu == 2 and p.splits_d == 2
+    with vkmoe.Exl3MoeMlp(device, gate, up, down, activation=activation, act_limit=act_limit) as moe:
+        moe._call_with_skips(x * 4, ids[::-1].copy(), w, "split")  # poison the output, partial and inter buffers
+        y = moe._call_with_skips(x, ids, w, "split")
+        assert moe.last_run["plan"]["coop"]
+    assert np.all(np.isfinite(y))
+    ref = reference.moe_forward(x, ids, w, gate, up, down, activation=activation, act_limit=act_limit)
+    assert rel_rms(y, ref) < TOL
+    if skip:
+        assert np.all(y[m - 1] == 0.0)  # a token with no valid slot: a zero row
+
+
+# ------------------------------------------------------------------------------------------ the choice
+def test_plan_choice(monkeypatch, device):
+    monkeypatch.setattr(plan, "coop_moe_unavailable", lambda d: None)
+    monkeypatch.setattr(plan, "coop_probe_failure", lambda d: None)
+    monkeypatch.setenv("VKMOE_COOPMAT", "auto")
+    monkeypatch.setenv("VKMOE_COOPMAT_MOE_MIN_M", "64")
+    assert not plan.moe_plan(device, 63, 8, 128, 2048, 768, True).coop
+    p = plan.moe_plan(device, 64, 8, 128, 2048, 768, True)
+    assert p.coop and p.rows == layout.COOP_ROWS_NARROW and p.max_chunks == 128 + 8
+    assert p.splits_gu * p.kt_gu >= 2048 // 16 and p.kt_gu % layout.COOP_KSTEP == 0
+    monkeypatch.setenv("VKMOE_COOPMAT", "off")
+    assert not plan.moe_plan(device, 1024, 8, 128, 2048, 768, True).coop
+
+
+def test_default_keeps_fma_without_the_feature(monkeypatch, device):
+    monkeypatch.delenv("VKMOE_COOPMAT", raising=False)
+    monkeypatch.setenv("VKMOE_COOPMAT_MOE_MIN_M", "1")
+    assert "VK_KHR_cooperative_matrix" in plan.coop_moe_unavailable(device)
+    assert not plan.moe_plan(device, 256, 8, 128, 2048, 768, True).coop
+
+
+def test_forcing_coop_without_the_feature_raises(monkeypatch, device):
+    monkeypatch.setenv("VKMOE_COOPMAT", "on")
+    gate, up, down = random_moe_layer(128, 128, 2, seed=1)
+    with vkmoe.Exl3MoeMlp(device, gate, up, down) as moe:
+        x = np.ones((4, 128), np.float16)
+        ids, w = np.array([[0], [1], [0], [1]], np.int32), np.ones((4, 1), np.float32)
+        with pytest.raises(vkmoe.VkmoeError, match=r"VKMOE_COOPMAT=on.*MoE stages.*VK_KHR_cooperative_matrix"):
+            moe(x, ids, w)
+
+
+def test_missing_spirv_is_a_reason(monkeypatch, device):
+    monkeypatch.setattr(plan, "coop_unavailable", lambda d: None)
+    monkeypatch.setattr(plan, "SPV_DIR", "/nonexistent")
+    assert "SPIR-V" in plan.coop_moe_unavailable(device)
+
+
+# ------------------------------------------------------------------------------------------ split only
+def test_persistent_refused_when_coop_applies(monkeypatch, device, emulated):
+    p = plan.moe_plan(device, 64, 2, 2, 128, 128, True)
+    assert p.coop
+    never = lambda: pytest.fail("no co-residency is measured for a coop plan")  # noqa: E731
+    for requested in ("auto", "persistent"):
+        d = decide(device, p, requested, 2, 128, 128, True, never)
+        assert d.mode == "split" and "cooperative matrices" in d.reason, d
+    gate, up, down = random_moe_layer(128, 128, 2, seed=2)
+    ids, w = _routing(64, 2, 2, seed=3)
+    x = np.random.default_rng(4).standard_normal((64, 128)).astype(np.float16)
+    with vkmoe.Exl3MoeMlp(device, gate, up, down) as moe:
+        y = moe(x, ids, w, dispatch="persistent")
+        run = moe.last_run
+        assert run["mode"] == "split" and "cooperative matrices" in run["fallback_reason"], run
+        assert rel_rms(y, reference.moe_forward(x, ids, w, gate, up, down)) < TOL
+        hb, ib, wb, ob = moe._io_for(64, 2)
+        with vkmoe.CommandRecorder(device) as cmd, pytest.raises(ValueError, match="cooperative matrices"):
+            moe.record(cmd, hb, ib, wb, ob, 64, 2, mode="persistent")
+
+
+# ------------------------------------------------------------------------------------------ partial rows
+def test_partial_tiles_do_not_overlap():
+    """The chunk tables the routing writes (chunks of <= 64 rows per expert, sorted rows contiguous) with the
+    partial row of chunk c at p0 + COOP_MOE_ROW_SLACK * c (partial_row0 in moe_stages.glsl): the whole m-tiles the
+    matrix unit stores never reach the next chunk's rows nor past layout.moe_partial_rows."""
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        E, top_k, m = int(rng.integers(1, 20)), int(rng.integers(1, 4)), int(rng.integers(1, 300))
+        counts = np.bincount(rng.integers(0, E, m * top_k), minlength=E)
+        p = plan.MoePlan(m, top_k, layout.COOP_ROWS_NARROW, min(E, m * top_k) + -(-m * top_k // 64), 1, 4, 1, 4, True)
+        chunks, p0 = [], 0
+        for n in counts:
+            for first in range(0, n, 64):
+                chunks.append((p0 + first, min(64, n - first)))
+            p0 += n
+        assert len(chunks) <= p.max_chunks
+        end = 0
+        for c, (first, nr) in enumerate(chunks):
+            q0 = first + layout.COOP_MOE_ROW_SLACK * c
+            assert q0 >= end
+            end = q0 + -(-nr // layout.TILE) * layout.TILE
+        assert end <= layout.moe_partial_rows(p)
+        sizes = layout.scratch_bytes(p, 128, 128)
+        assert sizes["partial_split"] == 4 * layout.moe_partial_rows(p) * 128 * 2
