@@ -76,7 +76,7 @@ def test_plan_choice(monkeypatch, device):
     monkeypatch.setattr(plan, "coop_moe_unavailable", lambda d: None)
     monkeypatch.setattr(plan, "coop_probe_failure", lambda d: None)
     monkeypatch.setenv("VKMOE_COOPMAT", "auto")
-    monkeypatch.setenv("VKMOE_COOPMAT_MOE_MIN_M", "64")
+    monkeypatch.setenv("VKMOE_COOPMAT_MOE_MIN_ROWS", "4")  # (token, slot) rows per expert: m * 8 / 128 >= 4
     assert not plan.moe_plan(device, 63, 8, 128, 2048, 768, True).coop
     p = plan.moe_plan(device, 64, 8, 128, 2048, 768, True)
     assert p.coop and p.rows == layout.COOP_ROWS_NARROW and p.max_chunks == 128 + 8
@@ -87,7 +87,7 @@ def test_plan_choice(monkeypatch, device):
 
 def test_default_keeps_fma_without_the_feature(monkeypatch, device):
     monkeypatch.delenv("VKMOE_COOPMAT", raising=False)
-    monkeypatch.setenv("VKMOE_COOPMAT_MOE_MIN_M", "1")
+    monkeypatch.setenv("VKMOE_COOPMAT_MOE_MIN_ROWS", "1")
     assert "VK_KHR_cooperative_matrix" in plan.coop_moe_unavailable(device)
     assert not plan.moe_plan(device, 256, 8, 128, 2048, 768, True).coop
 

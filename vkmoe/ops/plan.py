@@ -81,10 +81,11 @@ def coop_probe_failure(device):
         return _probe_verdicts[device]
 
 
-def use_coop(device, m, moe=False):
-    """Whether a linear of m rows (moe: an MoE layer's GEMMs for m tokens) runs on cooperative matrices:
-    VKMOE_COOPMAT=auto (the default) from VKMOE_COOPMAT_MIN_M rows (moe: VKMOE_COOPMAT_MOE_MIN_M tokens) where the
-    device can and its probe passed, on always (an error where it cannot), off never."""
+def use_coop(device, m, moe=None):
+    """Whether a linear of m rows (moe=(top_k, E): an MoE layer's GEMMs for m tokens) runs on cooperative
+    matrices: VKMOE_COOPMAT=auto (the default) from VKMOE_COOPMAT_MIN_M rows (an MoE layer: from
+    VKMOE_COOPMAT_MOE_MIN_ROWS (token, slot) rows per expert on average) where the device can and its probe
+    passed, on always (an error where it cannot), off never."""
     choice = knobs.get("VKMOE_COOPMAT")
     if choice == "off":
         return False
@@ -94,8 +95,15 @@ def use_coop(device, m, moe=False):
             raise VkmoeError(f"VKMOE_COOPMAT=on, but {device.name} cannot run the cooperative-matrix GEMM"
                              f"{' of the MoE stages' if moe else ''}: {reason}")
         return True
-    min_m = knobs.get("VKMOE_COOPMAT_MOE_MIN_M" if moe else "VKMOE_COOPMAT_MIN_M")
-    return reason is None and m >= min_m and coop_probe_failure(device) is None
+    if moe:
+        # 64-row chunks of one expert: worth it only when experts get enough rows to fill them (H200: Qwen3 shape
+        # m = 256 at 16 rows per expert 1841 vs FMA 2212 us, m = 64 at 4 rows 1151 vs 503; DeepSeek-V3 m = 1024 at
+        # 32 rows 27427 vs 62426, m = 256 at 8 rows 18211 vs 11096; BENCHMARKS.md)
+        top_k, E = moe
+        big_enough = m * top_k >= knobs.get("VKMOE_COOPMAT_MOE_MIN_ROWS") * E
+    else:
+        big_enough = m >= knobs.get("VKMOE_COOPMAT_MIN_M")
+    return reason is None and big_enough and coop_probe_failure(device) is None
 
 
 def coop_moe_unavailable(device):
@@ -177,7 +185,7 @@ def _splits(device, tiles_k, work, target, forced=None):
 def moe_plan(device, m, top_k, E, H, I, gated, target_workgroups=None):
     R = m * top_k
     active = min(E, R)
-    coop = use_coop(device, m, moe=True)
+    coop = use_coop(device, m, moe=(top_k, E))
     # the knob is for tuning the FMA path; the cooperative-matrix stages take chunks of their tile's rows
     rows = COOP_ROWS_NARROW if coop else knobs.get("VKMOE_MOE_ROWS") or rows_for(ceil_div(R, max(1, active)))
     max_chunks = active + ceil_div(R, rows)

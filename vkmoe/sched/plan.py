@@ -147,7 +147,7 @@ class Decision:
 
 def coop_split_reason(moe_plan):
     """Why a batch planned on cooperative matrices runs split (a sentence)."""
-    return (f"m={moe_plan.m} runs the MoE GEMMs on cooperative matrices (VKMOE_COOPMAT, VKMOE_COOPMAT_MOE_MIN_M), "
+    return (f"m={moe_plan.m} runs the MoE GEMMs on cooperative matrices (VKMOE_COOPMAT, VKMOE_COOPMAT_MOE_MIN_ROWS), "
             "which only the split path has: the persistent kernel's FMA GEMMs would give other bits than split")
 
 
