@@ -663,6 +663,16 @@ def test_first_run_may_include_the_drivers_shader_compile():
                 # else this test shows nothing: the first call must have compiled past the timeout
                 assert times[0] > 0.25, (mode, times)
                 print(mode, times)
+        x = c["x"].astype(np.float16)  # Exl3Linear (and every op submitting through CallTransfers) too
+        ref = reference.linear_forward(x, L.gate[0])
+        with vkmoe.Exl3Linear(dev, L.gate[0]) as lin:
+            times = []
+            for _ in range(2):
+                start = time.monotonic()
+                y = lin(x)
+                times.append(time.monotonic() - start)
+                assert rel_rms(y, ref) < 3e-3
+            print("linear", times)
         assert not dev.take_validation_messages()
         print("OK")
     """, env={"VKMOE_TIMEOUT": "0.25", "MESA_SHADER_CACHE_DISABLE": "true"})

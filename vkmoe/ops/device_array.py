@@ -8,8 +8,11 @@ An op that takes or returns DeviceArrays still runs its own recorded command buf
 buffers: the copies from an input DeviceArray and into the output one are recorded per call into small command
 buffers that go into the SAME vkQueueSubmit as the op's (CallTransfers), so a call stays one submission.
 """
+import time
+
 import numpy as np
 
+from ..sched.occupancy import COMPILE_TIMEOUT_S
 from ..vk import CommandRecorder, DeviceClosedError, VkmoeError
 
 
@@ -139,10 +142,25 @@ class CallTransfers:
         self._recorded = {}  # slot -> the copies it holds now: re-recorded only when they change
 
     def submit(self, rec, copies_in=(), copies_out=()):
-        """Submit `rec` with the copies (src Buffer, dst Buffer, nbytes) and wait."""
+        """Submit `rec` with the copies (src Buffer, dst Buffer, nbytes) and wait. The first submission of a newly
+        recorded forward may include the driver's lazy compile of its pipelines (lavapipe compiles at the first
+        dispatch: 4.5 s for the tiny split layer on Mesa 25, over 60 s for a larger persistent one), which must not
+        be mistaken for a hung device: it may take up to occupancy.COMPILE_TIMEOUT_S in all; later submissions get
+        VKMOE_TIMEOUT."""
         before = [self._record("_before", copies_in, barrier_first=False)] if copies_in else []
         after = [self._record("_after", copies_out, barrier_first=True)] if copies_out else []
-        rec.submit(wait=True, before=before, after=after)
+        first, start = rec.submissions == 0, time.monotonic()
+        try:
+            rec.submit(wait=True, before=before, after=after)
+        except TimeoutError:
+            if not (first and rec.pending):
+                raise
+            try:  # still running after VKMOE_TIMEOUT: wait on within the compile bound
+                rec.wait(max(0.0, COMPILE_TIMEOUT_S - (time.monotonic() - start)))
+            except TimeoutError:
+                raise TimeoutError(f"the first run of a newly recorded forward (which may include the driver's "
+                                   f"shader compile) did not finish within {COMPILE_TIMEOUT_S} s; the device may be "
+                                   "hung and should be recreated") from None
 
     def _record(self, slot, copies, barrier_first):
         # The memory blocks themselves are in the key (not their ids): the key keeps them alive, so a block

@@ -674,29 +674,11 @@ class Exl3MoeMlp:
             wb.upload(weights)
             if target is not None:
                 copies_out = [(ob, target.buffer, out_bytes)]
-            self._submit(rec, copies_in, copies_out, first)
+            self._transfers.submit(rec, copies_in, copies_out)  # the first run gets the compile bound
             gpu_ms = rec.elapsed_ms()
             out = ob.download(np.float32, (m, self.H)) if target is None else None
             abort = int(ob.download(np.uint32, (1,), offset=out_bytes)[0]) if status else 0
         return out, gpu_ms, scratch, abort
-
-    def _submit(self, rec, copies_in, copies_out, first):
-        """Submit and wait. The first submission of a newly recorded forward may include the driver's lazy compile
-        of its pipelines (lavapipe compiles at the first dispatch: 4.5 s for the tiny split layer on Mesa 25, over
-        60 s for a larger persistent one), which must not be mistaken for a hung device: it may take up to
-        occupancy.COMPILE_TIMEOUT_S in all; later submissions get VKMOE_TIMEOUT."""
-        start = time.monotonic()
-        try:
-            self._transfers.submit(rec, copies_in, copies_out)
-        except TimeoutError:
-            if not (first and rec.pending):
-                raise
-            try:  # still running after VKMOE_TIMEOUT: wait on within the compile bound
-                rec.wait(max(0.0, occupancy.COMPILE_TIMEOUT_S - (time.monotonic() - start)))
-            except TimeoutError:
-                raise TimeoutError(f"the first run of a newly recorded forward (which may include the driver's "
-                                   f"shader compile) did not finish within {occupancy.COMPILE_TIMEOUT_S} s; the "
-                                   "device may be hung and should be recreated") from None
 
     def _run_path(self, path, hidden, ids, weights, m, top_k):
         out, gpu_ms, scratch, status = self._run(hidden, ids, weights, m, top_k, path.key, path.record,

@@ -75,6 +75,7 @@ class CommandRecorder:
         self._recording = False
         self._recorded = False
         self._pending = False
+        self.submissions = 0  # of this command buffer (the first may include the driver's lazy compile)
         self._riding_on = None  # the recorder whose submission (and fence) carried this buffer last
         self.spin_s = 0.0 if device.device_type == "cpu" else SPIN_BEFORE_SLEEP_S
         # Built once: what submit() and wait() hand to the cffi functions.
@@ -220,6 +221,7 @@ class CommandRecorder:
             check("vkQueueSubmit", vk.lib.vkQueueSubmit(dev.queue, 1, info, self._fence))
             _submissions += 1
         self._pending = True
+        self.submissions += 1
         for r in riders:
             r._riding_on = self
         if wait:
