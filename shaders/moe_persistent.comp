@@ -4,7 +4,8 @@
 // host measures it with this very binary in its discovery mode, pc.mode = MOE_MODE_DISCOVER) running every stage
 // of moe_stages.glsl. There is no grid-wide barrier: work items are dealt out statically (round robin, in the
 // order routing + stage 1, gate/up, down) and a GEMM item waits only for the counter its input depends on, after
-// issuing its first weight loads (MOE_DEPENDENCY_WAITS in moe_stages.glsl):
+// issuing its first weight loads (MOE_DEPENDENCY_WAITS in moe_stages.glsl). In direct mode there is no routing
+// and no stage 1, and gate/up items wait for nothing:
 //   routing (workgroup 0) + stage 1 (the others)  ->  SYNC_ROUTED, SYNC_STAGE1_DONE
 //   gate/up item (chunk c)  waits for every workgroup's stage-1 share; its stage 3 counts chunk c's bands
 //   down item (chunk c)     waits for chunk c's I/128 bands only, so experts finish independently
@@ -31,10 +32,15 @@ shared bool s_last_out;
 
 // Discovery mode: the sync binding holds one 16-word measurement (occupancy.glsl) whose words OCC_PARAMS.. carry
 // the poll bounds the host chose; pc.num_workgroups is the grid launched.
+// Every invocation stays until invocation 0 is done: a workgroup must hold ALL its resources while it counts
+// itself (registers are freed per subgroup as subgroups exit, so a workgroup reduced to invocation 0 let more
+// workgroups in than the kernel itself can keep resident: the H200 counted 396 for a pipeline that deadlocked
+// at 300 and ran at 264).
 void discover() {
     if (gl_LocalInvocationIndex == 0u)
         occupancy_discover(0u, pc.num_workgroups, sync_words[OCC_PARAMS], sync_words[OCC_PARAMS + 1u],
                            sync_words[OCC_PARAMS + 2u], pc.loop_budget);
+    barrier();
 }
 
 // The last workgroup out of a launch that was not aborted resets the persistent counters (an aborted launch is
@@ -63,19 +69,21 @@ void main() {
         return;
     }
     uint G = pc.num_workgroups, wg = wg_uniform(gl_WorkGroupID.x);
-    // Routing needs nothing and stage 1 needs only the expert ids (rows by (token, slot)): workgroup 0 routes while
-    // the others share stage 1 (all of it is workgroup 0's when the grid is 1).
-    if (wg == 0u) {
-        moe_route();
-        moe_signal(SYNC_ROUTED);
+    if (!DIRECT) {
+        // Routing needs nothing and stage 1 needs only the expert ids (rows by (token, slot)): workgroup 0 routes
+        // while the others share stage 1 (all of it is workgroup 0's when the grid is 1).
+        if (wg == 0u) {
+            moe_route();
+            moe_signal(SYNC_ROUTED);
+        }
+        uint s1_items = stage1_items();
+        uint s1_first = G == 1u ? 0u : wg == 0u ? s1_items : wg - 1u;
+        uint s1_step = G == 1u ? 1u : G - 1u;
+        for (uint u = s1_first; u < s1_items; u += s1_step) moe_stage1(u);
+        moe_signal(SYNC_STAGE1_DONE);
+        // The chunk table says which gate/up and down items exist (usually long written by now).
+        moe_wait(SYNC_ROUTED, 1u);
     }
-    uint s1_items = stage1_items();
-    uint s1_first = G == 1u ? 0u : wg == 0u ? s1_items : wg - 1u;
-    uint s1_step = G == 1u ? 1u : G - 1u;
-    for (uint u = s1_first; u < s1_items; u += s1_step) moe_stage1(u);
-    moe_signal(SYNC_STAGE1_DONE);
-    // The chunk table says which gate/up and down items exist (usually long written by now).
-    moe_wait(SYNC_ROUTED, 1u);
     uint gu_items = moe_launch_failed ? 0u : routed_chunks() * gu_items_per_chunk();
     for (uint i = wg; i < gu_items; i += G) {
         moe_gate_up(i);

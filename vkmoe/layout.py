@@ -33,6 +33,7 @@ ABORT_REASONS = {ABORT_SPIN: "a spin ran out of its bound", ABORT_LOCK: "a ticke
 # ------------------------------------------------------------------------------ specialization-constant ids
 # MoE shaders (moe_bindings.glsl)
 SPEC_MOE_K_GATE, SPEC_MOE_K_UP, SPEC_MOE_K_DOWN, SPEC_MOE_CB, SPEC_MOE_ROWS, SPEC_MOE_ACT = 0, 1, 2, 3, 4, 5
+SPEC_MOE_DIRECT = 6     # direct mode: every (token, slot) row its own chunk, no routing pass (moe_stages.glsl)
 # exl3_linear.comp and exl3_dequant.comp (the first two)
 SPEC_LINEAR_K, SPEC_LINEAR_CB, SPEC_LINEAR_ROWS, SPEC_LINEAR_HAS_BIAS = 0, 1, 2, 3
 # every decoding shader's f16 build (exl3_decode.glsl): the driver fuses the fp16 fma exactly
@@ -69,6 +70,10 @@ ROUTE_HEADER = 16
 ROUTE_CHUNK_WORDS = 3
 
 STAGE1_PAIRS_PER_ITEM = 2  # (row, 128-block) pairs per stage-1 work item
+# Direct mode: a gate/up item builds its A row for the 128-blocks holding its k-tiles in the GEMM core's 2048-word
+# reduction buffer (64 words per block, so at most 32 blocks); a k-range of DIRECT_MAX_KT tiles spans at most
+# DIRECT_MAX_KT / 8 + 1 blocks wherever it starts.
+DIRECT_MAX_KT = 8 * (2048 // 64 - 1)
 
 # ------------------------------------------------------------------------ the device block (router, shared)
 # moe_router.comp's family (spec constant) and moe_block_elem.comp's operation (push constant `mode`)
@@ -150,8 +155,9 @@ def fold_grid(groups):
 
 
 def split_grids(plan, H, I, gated):
-    """The split path's three dispatches: routing (workgroup 0) + stage 1, gate/up (+3), down (+5)."""
-    return (fold_grid(1 + stage1_items(plan.m, plan.top_k, H)),
+    """The split path's three dispatches: routing (workgroup 0) + stage 1, gate/up (+3), down (+5); in direct mode
+    (plan.direct) the first is None: there is no routing pass and each gate/up item does its own stage 1."""
+    return (None if getattr(plan, "direct", False) else fold_grid(1 + stage1_items(plan.m, plan.top_k, H)),
             (gate_up_items_per_chunk(I, gated, plan.splits_gu), plan.max_chunks),
             (down_items_per_chunk(H, plan.splits_d), plan.max_chunks))
 
@@ -196,7 +202,7 @@ def _defines():
         yield f"CB_{name.upper()}", str(value)
     for name in ("SPIN", "LOCK", "BARRIER"):
         yield f"ABORT_{name}", f"{globals()['ABORT_' + name]}u"
-    for name in ("K_GATE", "K_UP", "K_DOWN", "CB", "ROWS", "ACT"):
+    for name in ("K_GATE", "K_UP", "K_DOWN", "CB", "ROWS", "ACT", "DIRECT"):
         yield f"SPEC_MOE_{name}", str(globals()["SPEC_MOE_" + name])
     for name in ("K", "CB", "ROWS", "HAS_BIAS"):
         yield f"SPEC_LINEAR_{name}", str(globals()["SPEC_LINEAR_" + name])

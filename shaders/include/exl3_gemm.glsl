@@ -11,8 +11,10 @@
 //   uint gemm_a_word(const int src, uint index)      packed fp16 pair of A (two consecutive k of one row)
 //   uint gemm_b_word(const int src, uint index)      trellis word
 //   uvec4 gemm_a_word4 / gemm_b_word4(src, index4)   the same memory, 16 bytes at a time
-// and includes exl3_decode.glsl first. Optional: GEMM_AFTER_PREFETCH(), called by the whole workgroup once the
-// first weight tiles are requested and before A is read (the persistent MoE kernel waits for its inputs there).
+// (a prototype is enough: the MoE defines gemm_a_word4 after this file, reading gemm_red for one of its sources)
+// and includes exl3_decode.glsl first. Optional: GEMM_AFTER_PREFETCH(a_src), called by the whole workgroup once
+// the first weight tiles are requested and before A is read (the persistent MoE kernel waits for its inputs
+// there; the MoE's direct mode builds its A row there).
 
 #ifndef EXL3_GEMM_GLSL
 #define EXL3_GEMM_GLSL
@@ -20,6 +22,12 @@
 #define GEMM_WG 256u
 
 #include "exl3_tile_load.glsl"
+
+// The k-slice partials of 4 rows as fp32 bits: gemm_red[(kslice * 4 + row) * 128 + column]. Words, not floats:
+// the MoE's direct mode (moe_stages.glsl) keeps a gate/up item's fp16 A row here while the GEMM runs (the
+// partials come after the last read of A), and packed fp16 pairs must not pass through float registers.
+#define GEMM_RED_WORDS (4u * 4u * 128u)
+shared uint gemm_red[GEMM_RED_WORDS];
 
 // This invocation's accumulators: gemm_acc[r * 2 + c] for row r and its two columns c. A module-level array
 // (not a parameter): arrays sized by specialization constants do not survive being passed by value.
@@ -56,9 +64,9 @@ void gemm_accumulate(const int a_src, int b_src, int K, const int cb, uint nr,
 #endif
     }
 #ifdef GEMM_AFTER_PREFETCH
-    // The includer's wait for A (the persistent MoE kernel's dependency on the previous stage): the first tile's
-    // weight loads above are already in flight, and weights depend on nothing.
-    GEMM_AFTER_PREFETCH();
+    // The includer's preparation of A (the persistent MoE kernel's wait for the previous stage, or the direct
+    // mode's stage 1): the first tile's weight loads above are already in flight, and weights depend on nothing.
+    GEMM_AFTER_PREFETCH(a_src);
 #endif
     for (; kt < kt1; kt += 4u) {
         uint words[8] = next;
@@ -114,9 +122,6 @@ void gemm_accumulate(const int a_src, int b_src, int K, const int cb, uint nr,
     }
 }
 
-// The k-slice partials of 4 rows: gemm_red[(kslice * 4 + row) * 128 + column].
-shared float gemm_red[4 * 4 * 128];
-
 // Write the k-slice partials of rows r0 .. r0+3 into gemm_red; after a barrier, gemm_red_sum(row - r0, column)
 // adds the four slices in a fixed order (deterministic). Column of an invocation: (slot & 7) * 16 + q (+ 8).
 void gemm_stage_rows(uint r0) {
@@ -127,16 +132,17 @@ void gemm_stage_rows(uint r0) {
     [[unroll]] for (int rr = 0; rr < 4; ++rr) {
         [[unroll]] for (int r = 0; r < GEMM_ROWS; ++r) {
             if (uint(r) == r0 + uint(rr)) {
-                gemm_red[(kslice * 4u + uint(rr)) * 128u + col] = gemm_acc[r * 2];
-                gemm_red[(kslice * 4u + uint(rr)) * 128u + col + 8u] = gemm_acc[r * 2 + 1];
+                gemm_red[(kslice * 4u + uint(rr)) * 128u + col] = floatBitsToUint(gemm_acc[r * 2]);
+                gemm_red[(kslice * 4u + uint(rr)) * 128u + col + 8u] = floatBitsToUint(gemm_acc[r * 2 + 1]);
             }
         }
     }
 }
 
+float gemm_red_at(uint kslice, uint rr, uint col) { return uintBitsToFloat(gemm_red[(kslice * 4u + rr) * 128u + col]); }
+
 float gemm_red_sum(uint rr, uint col) {
-    return ((gemm_red[(0u * 4u + rr) * 128u + col] + gemm_red[(1u * 4u + rr) * 128u + col])
-            + gemm_red[(2u * 4u + rr) * 128u + col]) + gemm_red[(3u * 4u + rr) * 128u + col];
+    return ((gemm_red_at(0u, rr, col) + gemm_red_at(1u, rr, col)) + gemm_red_at(2u, rr, col)) + gemm_red_at(3u, rr, col);
 }
 
 #endif

@@ -11,6 +11,8 @@ layout(constant_id = SPEC_MOE_K_DOWN) const int K_DOWN = 4;
 layout(constant_id = SPEC_MOE_CB) const int CB = 2;          // codebook of all three projections (CB_*)
 layout(constant_id = SPEC_MOE_ROWS) const int GEMM_ROWS = 4;   // rows per GEMM pass = rows per expert chunk
 layout(constant_id = SPEC_MOE_ACT) const int ACT = 0;         // ACT_*
+// Direct mode (moe_stages.glsl): every (token, slot) row is its own chunk; no routing, no stage-1 pass.
+layout(constant_id = SPEC_MOE_DIRECT) const bool DIRECT = false;
 
 #define GATED (ACT != ACT_RELU2)
 

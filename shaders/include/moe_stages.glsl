@@ -12,6 +12,13 @@
 //              token's rows in slot order (deterministic)
 // Only route -> 1 -> 2+3 -> 4+5 need a device-wide barrier (pipeline barrier or spin barrier).
 //
+// Direct mode (the DIRECT specialization, chosen by the plan for small batches): every (token, slot) row
+// f = t * top_k + slot is a chunk of its own, in flat order, with its expert read straight from expert_ids. There is
+// no routing and no stage-1 pass: each gate/up item builds its A row (stage 1 for its k-range) in shared memory
+// while its first weight tiles load (moe_direct_stage1), so the split path is two dispatches and a persistent
+// gate/up item waits for nothing. Per row, every GEMM, Hadamard and sum runs in the same order as in routed mode:
+// the bits are the same for the same k-splits.
+//
 // Includer: defines WG_SIZE 256u, HAD_ROWS 4u and includes common.glsl and moe_bindings.glsl first. With
 // MOE_COOP (and COOP_BM, EXL3_F16) the GEMMs of stages 2 and 4 run on cooperative matrices (exl3_gemm_coop.glsl:
 // moe_gate_up_coop.comp, moe_down_coop.comp): chunks of up to COOP_BM rows of one expert; the routing, stage 1
@@ -20,11 +27,15 @@
 #ifndef MOE_STAGES_GLSL
 #define MOE_STAGES_GLSL
 
-uint gemm_a_word(const int src, uint index) { return src == 0 ? states[index] : inter[index]; }
+// A sources of the GEMMs: the gate/up inputs (stage 1), the down input (stage 3), or (direct mode) the row a
+// gate/up item built in shared memory. The A accessors are defined below the GEMM core, which owns gemm_red.
+#define A_STATES 0
+#define A_INTER 1
+#define A_DIRECT 2
+uvec4 gemm_a_word4(const int src, uint index);
 uint gemm_b_word(int src, uint index) {
     return src == 0 ? gate_trellis[index] : src == 1 ? up_trellis[index] : down_trellis[index];
 }
-uvec4 gemm_a_word4(const int src, uint index) { return src == 0 ? states4[index] : inter4[index]; }
 uvec4 gemm_b_word4(int src, uint index) {
     return src == 0 ? gate_trellis4[index] : src == 1 ? up_trellis4[index] : down_trellis4[index];
 }
@@ -68,7 +79,13 @@ void moe_signal(uint word) {
     SYNC_WG_BARRIER();
     if (gl_LocalInvocationIndex == 0u) sync_add(word, 1u);
 }
-#define GEMM_AFTER_PREFETCH() moe_wait(moe_dep_word, moe_dep_target)
+#endif
+
+#ifndef MOE_COOP
+// Between a GEMM item's first weight requests and its first read of A (exl3_gemm.glsl): a direct-mode gate/up
+// item builds its A row, a persistent item waits for its dependency (if any). Defined below the GEMM core.
+void moe_after_prefetch(const int a_src);
+#define GEMM_AFTER_PREFETCH(a_src) moe_after_prefetch(a_src)
 #endif
 
 #include "exl3_decode.glsl"
@@ -80,8 +97,16 @@ shared uint coop_row[COOP_BM];
 #define COOP_A_ROW(row0, r) coop_row[r]
 uvec4 coop_a_word4(int src, uint index) { return gemm_a_word4(src, index); }
 #include "exl3_gemm_coop.glsl"
+uvec4 gemm_a_word4(const int src, uint index) { return src == A_STATES ? states4[index] : inter4[index]; }
 #else
 #include "exl3_gemm.glsl"
+uvec4 gemm_a_word4(const int src, uint index) {
+    if (src == A_DIRECT) {
+        uint w = 4u * index;
+        return uvec4(gemm_red[w], gemm_red[w + 1u], gemm_red[w + 2u], gemm_red[w + 3u]);
+    }
+    return src == A_STATES ? states4[index] : inter4[index];
+}
 #endif
 
 bool valid_expert(int e) { return e >= 0 && uint(e) < pc.E; }
@@ -97,6 +122,26 @@ uint valid_slots(uint t) {
         if (uint(s) < pc.top_k && valid_expert(expert_ids[t * pc.top_k + uint(s)])) n += 1u;
     return n;
 }
+
+// ------------------------------------------------------------------------------------------------- chunks
+// Chunk c of the GEMM stages: its expert e, its first row p0 (sorted position in routed mode, the flat row in
+// direct mode) and its row count nr (0 in direct mode for a slot with no valid expert). Uniform per workgroup.
+void moe_chunk(uint c, out uint e, out uint p0, out uint nr) {
+    if (DIRECT) {
+        int ex = expert_ids[c];
+        bool ok = valid_expert(ex);
+        e = wg_uniform(ok ? uint(ex) : 0u);
+        p0 = c;
+        nr = wg_uniform(ok ? 1u : 0u);
+    } else {
+        e = wg_uniform(route[route_chunk(c)]);
+        p0 = wg_uniform(route[route_chunk(c) + 1u]);
+        nr = wg_uniform(route[route_chunk(c) + 2u]);
+    }
+}
+// The flat (token, slot) index of row p, and the number of valid slots of token t.
+uint moe_row_flat(uint p) { return DIRECT ? p : route[route_row_flat(p)]; }
+uint moe_token_slots(uint t) { return DIRECT ? valid_slots(t) : route[route_valid(t)]; }
 
 // ------------------------------------------------------------------------------------------------ routing
 #ifdef MOE_ROUTE  // only the shaders that route pay for its shared counters
@@ -193,7 +238,7 @@ void moe_route() {
 // expert ids, not the routing tables, so it runs beside the routing (same dispatch / same phase) instead of
 // after it. The gate/up GEMM finds a sorted row's input through route_row_flat.
 uint stage1_items() { return (R() * (pc.H / BAND) + STAGE1_PAIRS_PER_ITEM - 1u) / STAGE1_PAIRS_PER_ITEM; }
-uint routed_chunks() { return wg_uniform(route[ROUTE_CHUNKS]); }
+uint routed_chunks() { return DIRECT ? R() : wg_uniform(route[ROUTE_CHUNKS]); }
 
 // Item u: (row, block) pairs 2u and 2u + 1; had rows: 2 * pair + (0 gate, 1 up).
 void moe_stage1(uint u) {
@@ -285,14 +330,60 @@ uint gu_items_per_chunk() { return (pc.I / 128u) * gu_projections() * pc.splits_
 
 void moe_stage3(uint e, uint p0, uint q0, uint nr, uint band);
 
+#ifndef MOE_COOP
+// The direct-mode gate/up item in flight: (row f, expert, projection, kt1) and kt0, set before its GEMM.
+uvec4 moe_direct_item = uvec4(0u);
+uint moe_direct_kt0 = 0u;
+
+// Direct mode, whole workgroup: stage 1 of row f for one projection (the same arithmetic as moe_stage1) over the
+// 128-blocks that hold k-tiles [kt0, kt1), into gemm_red as packed fp16 words from kt0's block on. At most
+// GEMM_RED_WORDS / 64 blocks: the plan keeps kt_gu within layout.DIRECT_MAX_KT.
+void moe_direct_stage1(uint f, uint e, uint proj, uint kt0, uint kt1) {
+    uint tid = gl_LocalInvocationID.x;
+    uint b0 = kt0 / 8u, b1 = (kt1 + 7u) / 8u, t = f / pc.top_k;
+    for (uint bb = b0; bb < b1; bb += HAD_ROWS) {  // same trip count in every invocation (see had_fwht)
+        for (uint i = tid; i < HAD_ROWS * 128u; i += WG_SIZE) {
+            uint b = bb + (i >> 7), h = b * 128u + (i & 127u);
+            float v = 0.0;
+            if (b < b1) {
+                uint xe = t * pc.H + h, se = e * pc.H + h;
+                float s = proj == 0u ? f16_at(gate_suh[se >> 1], se) : f16_at(up_suh[se >> 1], se);
+                v = rn16(f16_at(hidden[xe >> 1], xe) * s);
+            }
+            had_buf[i] = v;
+        }
+        barrier();
+        had_fwht(HAD_ROWS);
+        for (uint i = tid; i < HAD_ROWS * 64u; i += WG_SIZE) {
+            uint b = bb + (i >> 6), c2 = (i & 63u) * 2u;
+            if (b < b1) {
+                uint src = (i >> 6) * 128u + c2;
+                gemm_red[(b - b0) * 64u + (i & 63u)] = packHalf2x16(vec2(had_buf[src], had_buf[src + 1u]) * HAD_SCALE);
+            }
+        }
+        barrier();
+    }
+}
+
+void moe_after_prefetch(const int a_src) {
+    if (a_src == A_DIRECT)
+        moe_direct_stage1(moe_direct_item.x, moe_direct_item.y, moe_direct_item.z, moe_direct_kt0, moe_direct_item.w);
+#ifdef MOE_DEPENDENCY_WAITS
+    else if (moe_dep_target != 0u) moe_wait(moe_dep_word, moe_dep_target);
+#endif
+}
+#endif
+
 void moe_gate_up(uint item) {
     uint s = item % pc.splits_gu;
     uint rest = item / pc.splits_gu;
     uint proj = GATED ? rest % 2u : 1u;
     rest = GATED ? rest / 2u : rest;
     uint band = rest % (pc.I / 128u), c = rest / (pc.I / 128u);
-    uint e = wg_uniform(route[route_chunk(c)]), p0 = wg_uniform(route[route_chunk(c) + 1u]);
-    uint nr = wg_uniform(route[route_chunk(c) + 2u]);
+    uint e, p0, nr;
+    moe_chunk(c, e, p0, nr);
+    // Direct mode only: a slot with no valid expert (a routed chunk always has rows; no branch on them there).
+    if (DIRECT && nr == 0u) return;
     uint tiles_k = pc.H / 16u, tiles_n = pc.I / 16u;
     uint kt0 = s * pc.kt_gu, kt1 = min(tiles_k, kt0 + pc.kt_gu);
     // One GEMM call, not one per projection in an if/else: Mesa 22.3's lavapipe skips a loop inside a branch of
@@ -304,20 +395,25 @@ void moe_gate_up(uint item) {
     // Each row's input lives at its (token, slot) index (see stage 1).
 #ifdef MOE_COOP
     uint tid = gl_LocalInvocationID.x;
-    if (tid < COOP_BM) coop_row[tid] = proj * R() + route[route_row_flat(p0 + min(tid, nr - 1u))];
+    if (tid < COOP_BM) coop_row[tid] = proj * R() + moe_row_flat(p0 + min(tid, nr - 1u));
     barrier();
-    coop_gemm(0, int(proj), k_bits, b_base, 0u, nr, pc.H, tiles_n, band, kt0, kt1,
+    coop_gemm(A_STATES, int(proj), k_bits, b_base, 0u, nr, pc.H, tiles_n, band, kt0, kt1,
               base + q0 * pc.I + band * BAND + COOP_NT * 16u, pc.I);
     bool last = wg_last_arrival(counter, arrivals);
 #else
+    // Direct mode: the one row's A is built in gemm_red for whole 128-blocks from kt0's block on
+    // (moe_direct_stage1), so A word index 8 kt of the GEMM maps to gemm_red word 8 (kt - 8 (kt0 / 8)).
     [[unroll]] for (int r = 0; r < GEMM_ROWS; ++r)
-        gemm_row_base[r] = (proj * R() + route[route_row_flat(p0 + min(uint(r), nr - 1u))]) * (pc.H / 2u);
+        gemm_row_base[r] = DIRECT ? 0u - (kt0 / 8u) * 64u
+                                  : (proj * R() + moe_row_flat(p0 + min(uint(r), nr - 1u))) * (pc.H / 2u);
     gemm_clear();
+    moe_direct_item = uvec4(p0, e, proj, kt1);
+    moe_direct_kt0 = kt0;
 #ifdef MOE_DEPENDENCY_WAITS
-    moe_dep_word = SYNC_STAGE1_DONE;   // the rows' states, written by every workgroup's stage-1 share
-    moe_dep_target = pc.num_workgroups;
+    moe_dep_word = SYNC_STAGE1_DONE;   // routed mode: the rows' states, written by every workgroup's stage-1 share
+    moe_dep_target = DIRECT ? 0u : pc.num_workgroups;
 #endif
-    gemm_accumulate(0, int(proj), k_bits, CB, nr, b_base, tiles_n, band, kt0, kt1);
+    gemm_accumulate(DIRECT ? A_DIRECT : A_STATES, int(proj), k_bits, CB, nr, b_base, tiles_n, band, kt0, kt1);
     bool last = gemm_finish_partial(base, pc.I, p0, nr, band, counter, arrivals);
 #endif
     if (last) {
@@ -388,8 +484,13 @@ void moe_down(uint item) {
     uint s = item % pc.splits_d;
     uint rest = item / pc.splits_d;
     uint band = rest % (pc.H / 128u), c = rest / (pc.H / 128u);
-    uint e = wg_uniform(route[route_chunk(c)]), p0 = wg_uniform(route[route_chunk(c) + 1u]);
-    uint nr = wg_uniform(route[route_chunk(c) + 2u]);
+    uint e, p0, nr;
+    moe_chunk(c, e, p0, nr);
+    if (DIRECT && nr == 0u) {  // a slot with no valid expert; slot 0 zeroes the row of a token with none
+        uint t = c / pc.top_k, tid = gl_LocalInvocationID.x;
+        if (s == 0u && c % pc.top_k == 0u && tid < 128u && moe_token_slots(t) == 0u) out_h[t * pc.H + band * 128u + tid] = 0.0;
+        return;
+    }
     uint tiles_k = pc.I / 16u, tiles_n = pc.H / 16u;
     uint kt0 = s * pc.kt_d, kt1 = min(tiles_k, kt0 + pc.kt_d);
     uint b_base = e * tiles_k * tiles_n * 8u * uint(K_DOWN), q0 = partial_row0(c, p0);
@@ -398,7 +499,7 @@ void moe_down(uint item) {
     uint tid = gl_LocalInvocationID.x;
     if (tid < COOP_BM) coop_row[tid] = p0 + min(tid, nr - 1u);  // inter rows are the chunk's sorted rows
     barrier();
-    coop_gemm(1, 2, K_DOWN, b_base, 0u, nr, pc.I, tiles_n, band, kt0, kt1,
+    coop_gemm(A_INTER, 2, K_DOWN, b_base, 0u, nr, pc.I, tiles_n, band, kt0, kt1,
               base + q0 * pc.H + band * BAND + COOP_NT * 16u, pc.H);
     bool last = wg_last_arrival(counter, pc.splits_d);
 #else
@@ -408,7 +509,7 @@ void moe_down(uint item) {
     moe_dep_word = counters_chunk_done() + c;  // every 128-band of the chunk's inter (the down k dimension)
     moe_dep_target = pc.I / 128u;
 #endif
-    gemm_accumulate(1, 2, K_DOWN, CB, nr, b_base, tiles_n, band, kt0, kt1);
+    gemm_accumulate(A_INTER, 2, K_DOWN, CB, nr, b_base, tiles_n, band, kt0, kt1);
     bool last = gemm_finish_partial(base, pc.H, p0, nr, band, counter, pc.splits_d);
 #endif
     if (last) moe_stage5(e, p0, q0, nr, band);
@@ -429,7 +530,7 @@ void moe_stage5(uint e, uint p0, uint q0, uint nr, uint band) {
         for (uint i = tid; i < 4u * 128u; i += WG_SIZE) {
             uint rr = i >> 7, col = band * 128u + (i & 127u);
             if (r0 + rr < nr) {
-                uint fidx = route[route_row_flat(p0 + r0 + rr)];
+                uint fidx = moe_row_flat(p0 + r0 + rr);
                 float w = rn16(expert_weights[fidx]);
                 uint se = e * pc.H + col;
                 rows_out[fidx * pc.H + col] = (had_buf[i] * (HAD_SCALE * w)) * f16_at(down_svh[se >> 1], se);
@@ -440,11 +541,11 @@ void moe_stage5(uint e, uint p0, uint q0, uint nr, uint band) {
             [[unroll]] for (uint rr = 0u; rr < 4u; ++rr) {
                 bool done = false;
                 if (r0 + rr < nr) {
-                    uint t = route[route_row_flat(p0 + r0 + rr)] / pc.top_k;
+                    uint t = moe_row_flat(p0 + r0 + rr) / pc.top_k;
                     uint counter = counters_tok() + t * (pc.H / 128u) + band;
                     uint arrived = atomicAdd(sync_words[counter], 1u, gl_ScopeQueueFamily, gl_StorageSemanticsBuffer,
                                              gl_SemanticsAcquireRelease | gl_SemanticsMakeAvailable | gl_SemanticsMakeVisible);
-                    done = arrived + 1u == route[route_valid(t)];
+                    done = arrived + 1u == moe_token_slots(t);
                     if (done) atomicStore(sync_words[counter], 0u, gl_ScopeQueueFamily, gl_StorageSemanticsBuffer, gl_SemanticsRelaxed);
                 }
                 s_token_done[rr] = uint(done);
@@ -454,7 +555,7 @@ void moe_stage5(uint e, uint p0, uint q0, uint nr, uint band) {
         for (uint i = tid; i < 4u * 128u; i += WG_SIZE) {
             uint rr = i >> 7, col = band * 128u + (i & 127u);
             if (s_token_done[rr] != 0u) {
-                uint t = route[route_row_flat(p0 + r0 + rr)] / pc.top_k;
+                uint t = moe_row_flat(p0 + r0 + rr) / pc.top_k;
                 float v = 0.0;  // slot order: the same bits whichever expert finished last
                 [[unroll]] for (int s = 0; s < MAX_TOP_K; ++s)
                     if (uint(s) < pc.top_k && valid_expert(expert_ids[t * pc.top_k + uint(s)]))

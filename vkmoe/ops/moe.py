@@ -334,7 +334,8 @@ class Exl3MoeMlp:
     def _spec(self, plan):
         return {layout.SPEC_MOE_K_GATE: self.bits["gate"] or self.bits["up"], layout.SPEC_MOE_K_UP: self.bits["up"],
                 layout.SPEC_MOE_K_DOWN: self.bits["down"], layout.SPEC_MOE_CB: layout.CODEBOOKS[self.codebook],
-                layout.SPEC_MOE_ROWS: plan.rows, layout.SPEC_MOE_ACT: ACTIVATIONS[self.activation]}
+                layout.SPEC_MOE_ROWS: plan.rows, layout.SPEC_MOE_ACT: ACTIVATIONS[self.activation],
+                layout.SPEC_MOE_DIRECT: plan.direct}
 
     def _scratch_for(self, m, top_k):
         """The scratch of batch shape (m, top_k), made on first use. A server sees every m, so a new shape first
@@ -375,8 +376,9 @@ class Exl3MoeMlp:
                 scratch.states, scratch.inter, scratch.partial, scratch.rows, scratch.sync)
 
     def _split_stages(self, scratch, buffers):
-        """The three split dispatches, each a function(cmd) -> descriptor set recording one dispatch (no barrier).
-        Routing (workgroup 0) and stage 1 (the rest) share the first; a barrier must follow each."""
+        """The split dispatches, each a function(cmd) -> descriptor set recording one dispatch (no barrier); a
+        barrier must follow each. Routing (workgroup 0) and stage 1 (the rest) share the first; direct mode
+        (plan.direct) has no routing pass, only the gate/up and down dispatches."""
         plan, dev = scratch.plan, self.device
         spec, push = self._spec(plan), self._push(plan)
         grids = layout.split_grids(plan, self.H, self.I, self.gated)
@@ -395,7 +397,7 @@ class Exl3MoeMlp:
                     stage(kernels.coop_moe_name(dev, "gate_up"), False, grids[1], coop_spec),
                     stage(kernels.coop_moe_name(dev, "down"), False, grids[2], coop_spec)]
         return [stage(name, decode, grid) for (name, decode), grid in
-                zip((("moe_route", False), ("moe_gate_up", True), ("moe_down", True)), grids)]
+                zip((("moe_route", False), ("moe_gate_up", True), ("moe_down", True)), grids) if grid is not None]
 
     def _record_split(self, cmd, scratch, buffers):
         sets = []
@@ -480,9 +482,9 @@ class Exl3MoeMlp:
 
     def split_stages(self, hidden_buf: "Buffer", ids_buf: "Buffer", weights_buf: "Buffer", out_buf: "Buffer",
                      m: int, top_k: int):
-        """record(mode="split")'s three dispatches as separate steps, for a caller that records independent work
-        beside them (vkmoe.ops.block): functions(cmd) -> descriptor set, each recording one dispatch and no
-        barrier; the caller puts a barrier after each. Arguments and pinning as record(); m >= 1."""
+        """record(mode="split")'s dispatches (three, or two in direct mode) as separate steps, for a caller that
+        records independent work beside them (vkmoe.ops.block): functions(cmd) -> descriptor set, each recording
+        one dispatch and no barrier; the caller puts a barrier after each. Arguments and pinning as record(); m >= 1."""
         self._check_record(hidden_buf, ids_buf, weights_buf, out_buf, m, top_k)
         with self._call_lock:
             self._pinned.add((m, top_k))

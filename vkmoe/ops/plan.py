@@ -6,8 +6,8 @@ import threading
 import weakref
 
 from .. import knobs
-from ..layout import (BAND, COOP_KSTEP, COOP_ROWS_NARROW, COOP_ROWS_WIDE, COOP_SHAPE, COOP_SUBGROUP, TILE,
-                      ceil_div, coop_moe_shared_bytes, coop_shared_bytes)
+from ..layout import (BAND, COOP_KSTEP, COOP_ROWS_NARROW, COOP_ROWS_WIDE, COOP_SHAPE, COOP_SUBGROUP, DIRECT_MAX_KT,
+                      TILE, ceil_div, coop_moe_shared_bytes, coop_shared_bytes)
 from ..vk import VkmoeError
 from ..vk.pipeline import SPV_DIR
 
@@ -15,6 +15,18 @@ from ..vk.pipeline import SPV_DIR
 # 65,536 iterations per invocation, all loops counted): each k-loop iteration may cost up to ~280 inner
 # iterations if the driver does not unroll, so 128 keeps a whole invocation far below the cap.
 CAPPED_K_ITERATIONS = 128
+
+# Largest batch that VKMOE_MOE_DIRECT=auto runs in direct mode (every (token, slot) row its own chunk, no routing
+# pass). Direct mode saves a dispatch (split) or a grid-wide dependency (persistent) but reads an expert's weights
+# once per row that picked it, so it pays once experts repeat within the batch.
+# Measured on the H200 (BENCHMARKS.md): direct mode wins where its gate/up items stay short, so auto also needs
+# their k-range to span at most DIRECT_AUTO_MAX_BLOCKS Hadamard blocks (the stage 1 each item redoes): the
+# Qwen3-30B-A3B shape at m = 1 (34.7 vs 39.1 us) and m = 2 (47.6 vs 53.0); not at m = 4 (16 blocks: 78.9 vs 74.8),
+# nor the DeepSeek-V3 shape (28 blocks: 144.6 vs 140.6 at m = 1). Direct items are short, so its k-splits are the
+# nearest to the target workgroup count rather than at least it: a second round of items costs more than a
+# longer k-range there (Qwen3 m = 1: 4 and 3 splits 34.7 us split / 36.3 persistent, vs 5 and 4: 35.8 / 44.3).
+DIRECT_AUTO_MAX_M = 4
+DIRECT_AUTO_MAX_BLOCKS = 8
 
 
 @dataclass(frozen=True)
@@ -162,6 +174,7 @@ class MoePlan:
     splits_d: int
     kt_d: int
     coop: bool = False  # the GEMMs on cooperative matrices (moe_*_coop.comp): rows = COOP_ROWS_NARROW, split only
+    direct: bool = False  # direct mode (moe_stages.glsl): rows = 1, a chunk per (token, slot) row, no routing pass
 
     @property
     def R(self):
@@ -171,31 +184,57 @@ class MoePlan:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
-def _splits(device, tiles_k, work, target, forced=None):
+def _splits(device, tiles_k, work, target, forced=None, max_kt=None, nearest=False):
     """(k-splits, k-tiles per split) so that `work` independent items x splits reach about `target`
-    workgroups (or `forced` splits), with at least 4 k-tiles per split, capped where the driver has a loop cap."""
-    wanted = forced if forced else ceil_div(target, max(1, work))
+    workgroups (or `forced` splits): at least `target` (rounded up), or with `nearest` the split count nearest to
+    target / work, with at least 4 k-tiles per split, at most `max_kt` k-tiles per split, capped where the driver
+    has a loop cap."""
+    wanted = forced if forced else (max(1, round(target / max(1, work))) if nearest else ceil_div(target, max(1, work)))
     splits = max(1, min(max(1, tiles_k // 4), wanted))
     kt = ceil_div(tiles_k, splits)
     if device.quirks.get("loop_iteration_cap"):
         kt = min(kt, 4 * CAPPED_K_ITERATIONS)
+    if max_kt:
+        kt = min(kt, max_kt)
     return ceil_div(tiles_k, kt), kt
 
 
+def hadamard_blocks_spanned(kt):
+    """The most 128-blocks a k-range of kt tiles (8 per block) spans, wherever a split starts: the stage-1 work a
+    direct-mode gate/up item does before its first multiply."""
+    return ceil_div(kt, 8) + (1 if kt % 8 else 0)
+
+
 def moe_plan(device, m, top_k, E, H, I, gated, target_workgroups=None):
+    """The batch plan: direct mode (VKMOE_MOE_DIRECT) where it is on, or auto and the batch is small and a direct
+    gate/up item's own stage 1 stays short; otherwise routed chunks (cooperative-matrix chunks from their
+    switch point)."""
+    coop = use_coop(device, m, moe=(top_k, E))
+    choice = knobs.get("VKMOE_MOE_DIRECT")
+    if not coop and (choice == "on" or (choice == "auto" and m <= DIRECT_AUTO_MAX_M)):
+        plan = _moe_plan(device, m, top_k, E, H, I, gated, target_workgroups, coop=False, direct=True)
+        if choice == "on" or hadamard_blocks_spanned(plan.kt_gu) <= DIRECT_AUTO_MAX_BLOCKS:
+            return plan
+    return _moe_plan(device, m, top_k, E, H, I, gated, target_workgroups, coop=coop, direct=False)
+
+
+def _moe_plan(device, m, top_k, E, H, I, gated, target_workgroups, coop, direct):
     R = m * top_k
     active = min(E, R)
-    coop = use_coop(device, m, moe=(top_k, E))
-    # the knob is for tuning the FMA path; the cooperative-matrix stages take chunks of their tile's rows
-    rows = COOP_ROWS_NARROW if coop else knobs.get("VKMOE_MOE_ROWS") or rows_for(ceil_div(R, max(1, active)))
-    max_chunks = active + ceil_div(R, rows)
-    expected_chunks = max(active, ceil_div(R, rows))
+    if direct:  # a chunk per (token, slot) row
+        rows, max_chunks, expected_chunks = 1, R, R
+    else:  # the knob is for tuning the FMA path; the cooperative-matrix stages take chunks of their tile's rows
+        rows = COOP_ROWS_NARROW if coop else knobs.get("VKMOE_MOE_ROWS") or rows_for(ceil_div(R, max(1, active)))
+        max_chunks = active + ceil_div(R, rows)
+        expected_chunks = max(active, ceil_div(R, rows))
     if target_workgroups is None:
         target_workgroups = default_target_workgroups(device)
     forced = knobs.get("VKMOE_MOE_SPLITS") or (None, None)  # a tuning knob, like VKMOE_MOE_ROWS
     # the cooperative-matrix stages split k in whole k-steps of COOP_KSTEP tiles (as _coop_plan)
     step = COOP_KSTEP if coop else 1
     splits_gu, kt_gu = _splits(device, H // TILE // step, expected_chunks * (I // BAND) * (2 if gated else 1),
-                               target_workgroups, forced[0])
-    splits_d, kt_d = _splits(device, I // TILE // step, expected_chunks * (H // BAND), target_workgroups, forced[1])
-    return MoePlan(m, top_k, rows, max_chunks, splits_gu, kt_gu * step, splits_d, kt_d * step, coop)
+                               target_workgroups, forced[0], max_kt=DIRECT_MAX_KT if direct else None,
+                               nearest=direct)
+    splits_d, kt_d = _splits(device, I // TILE // step, expected_chunks * (H // BAND), target_workgroups, forced[1],
+                             nearest=direct)
+    return MoePlan(m, top_k, rows, max_chunks, splits_gu, kt_gu * step, splits_d, kt_d * step, coop, direct)

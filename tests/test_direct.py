@@ -1,0 +1,130 @@
+"""Direct mode of the MoE stages (VKMOE_MOE_DIRECT): every (token, slot) row its own chunk, no routing pass, each
+gate/up workgroup building its own input row. It must give the routed mode's bits for the same k-splits, in
+both dispatch modes, on every golden file, and zero the rows of tokens that picked no valid expert."""
+import os
+
+import numpy as np
+import pytest
+
+import vkmoe
+from goldens import golden_files, load_layer, rel_rms, reference_targets
+from vkmoe import layout
+from vkmoe.ops import plan as ops_plan
+
+SPLITS = "2,2"  # both layers of a comparison must share their k-splits (the bits depend on them)
+
+
+def _bits(a):
+    return np.ascontiguousarray(a).view(np.uint32)
+
+
+def _layer(device, L):
+    return vkmoe.Exl3MoeMlp(device, L.gate, L.up, L.down, activation=L.activation, act_limit=L.act_limit)
+
+
+def _first_call(monkeypatch, moe, direct, *args):
+    """A call that fixes the plan of its shape with VKMOE_MOE_DIRECT=direct (a layer plans a batch shape when it
+    first sees it and keeps that plan)."""
+    monkeypatch.setenv("VKMOE_MOE_DIRECT", direct)
+    monkeypatch.setenv("VKMOE_MOE_SPLITS", SPLITS)
+    return moe(*args, dispatch="split")
+
+
+def _run(moe, call, mode, direct):
+    out = moe(call["x"], call["selected"], call["weights"], dispatch=mode)
+    assert moe.last_run["mode"] == mode, moe.last_run
+    assert moe.last_run["plan"]["direct"] is (direct == "on"), moe.last_run["plan"]
+    return out
+
+
+@pytest.mark.parametrize("path", golden_files(), ids=lambda p: os.path.basename(p)[:-4])
+def test_direct_mode_gives_the_routed_bits(device, monkeypatch, path):
+    L = load_layer(path)
+    routed, direct = _layer(device, L), _layer(device, L)
+    try:
+        for call in L.calls:
+            # poison: a first call with other routing leaves other numbers in every buffer
+            rng = np.random.default_rng(7)
+            m, top_k = call["selected"].shape
+            other = np.stack([rng.permutation(routed.E)[:top_k] for _ in range(m)])
+            for moe, setting in ((routed, "off"), (direct, "on")):
+                _first_call(monkeypatch, moe, setting, -call["x"], other, call["weights"])
+            want = _run(routed, call, "split", "off")
+            for mode in ("split", "persistent"):
+                got = _run(direct, call, mode, "on")
+                assert np.array_equal(_bits(got), _bits(want)), f"{mode}{call['suffix']}"
+            ref = reference_targets(L, call)[0][1]
+            assert rel_rms(want, ref) < 3e-3
+    finally:
+        routed.close()
+        direct.close()
+
+
+def _record_run(device, moe, x, ids, w, mode):
+    """moe.record() of one forward in `mode` (ids outside [0, E) are skipped there); the output poisoned with NaN."""
+    m, top_k = ids.shape
+    mem = device.memory
+    bufs = [mem.allocate(x.nbytes), mem.allocate(ids.size * 4), mem.allocate(w.size * 4), mem.allocate(m * moe.H * 4)]
+    try:
+        for buf, a in zip(bufs, (x.astype(np.float16), ids.astype(np.int32), w.astype(np.float32),
+                                 np.full((m, moe.H), np.nan, np.float32))):
+            buf.upload(np.ascontiguousarray(a))
+        with vkmoe.CommandRecorder(device) as cmd:
+            cmd.begin()
+            moe.record(cmd, *bufs, m, top_k, mode=mode)
+            cmd.end()
+            cmd.submit(wait=True)
+        return bufs[3].download(np.float32, (m, moe.H))
+    finally:
+        for b in bufs:
+            b.close()
+
+
+def test_direct_mode_skips_bad_ids_and_zeroes_tokens_without_a_valid_expert(device, monkeypatch):
+    L = load_layer(golden_files()[0])
+    call = L.calls[0]
+    routed, direct = _layer(device, L), _layer(device, L)
+    try:
+        E = direct.E
+        ids = call["selected"].astype(np.int64).copy()
+        ids[0, :] = [-1, E + 5]  # token 0: no valid slot at all
+        ids[1, 0] = E            # token 1: one slot out of range, skipped
+        x, w = call["x"], call["weights"]
+        _first_call(monkeypatch, routed, "off", x, call["selected"], w)
+        _first_call(monkeypatch, direct, "on", x, call["selected"], w)
+        assert direct.last_run["plan"]["direct"] and not routed.last_run["plan"]["direct"]
+        want = _record_run(device, routed, x, ids, w, "split")
+        assert np.all(want[0] == 0.0) and np.isfinite(want).all()
+        for mode in ("split", "persistent"):
+            got = _record_run(device, direct, x, ids, w, mode)
+            assert np.array_equal(_bits(got), _bits(want)), mode
+    finally:
+        routed.close()
+        direct.close()
+
+
+def test_plan_chooses_direct_mode_for_small_batches_with_short_items(device, monkeypatch):
+    monkeypatch.delenv("VKMOE_MOE_DIRECT", raising=False)
+    monkeypatch.delenv("VKMOE_MOE_SPLITS", raising=False)
+    qwen3, deepseek = (8, 128, 2048, 768, True), (8, 256, 7168, 2048, True)  # top_k, E, H, I, gated
+
+    def plan(m, shape):
+        return ops_plan.moe_plan(device, m, *shape, target_workgroups=396)  # the H200's 3 per SM
+
+    one = plan(1, qwen3)
+    assert one.direct and one.rows == 1 and one.max_chunks == one.R
+    assert (one.splits_gu, one.splits_d) == (4, 3)  # nearest to 396 items, not at least 396
+    assert ops_plan.hadamard_blocks_spanned(one.kt_gu) <= ops_plan.DIRECT_AUTO_MAX_BLOCKS
+    assert plan(2, qwen3).direct
+    four = plan(4, qwen3)  # a direct item would span 16 blocks: routed, k-splits rounded up as before
+    assert not four.direct and (four.splits_gu, four.splits_d) == (2, 1)
+    assert not plan(1, deepseek).direct
+    assert not plan(ops_plan.DIRECT_AUTO_MAX_M + 1, (8, 128, 512, 256, True)).direct
+    monkeypatch.setenv("VKMOE_MOE_DIRECT", "off")
+    assert not plan(1, qwen3).direct
+    # forced on: a gate/up item's input row must fit the GEMM core's reduction buffer, so k-splits grow
+    monkeypatch.setenv("VKMOE_MOE_DIRECT", "on")
+    monkeypatch.setenv("VKMOE_MOE_SPLITS", "1,1")
+    big = plan(64, deepseek)
+    assert big.direct and big.kt_gu <= layout.DIRECT_MAX_KT and big.splits_gu * big.kt_gu >= 7168 // 16
+    assert big.splits_gu == 2
