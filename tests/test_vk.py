@@ -130,6 +130,18 @@ def test_gpu_time_is_read_only_when_asked_and_always_its_own_submission(dev, mon
         bx.close(), by.close(), pipe.close()
 
 
+def test_host_view_is_kept_and_checked(dev):
+    with dev.memory.allocate(64, kind="readback") as buf:
+        view = buf.host_view(np.uint32, (4,), 16)
+        assert buf.host_view(np.uint32, (4,), 16) is view  # made once
+        view[...] = [1, 2, 3, 4]
+        assert buf.download(np.uint32, (4,), offset=16).tolist() == [1, 2, 3, 4]
+        with pytest.raises(ValueError, match="needs 80 bytes"):
+            buf.host_view(np.uint32, (16,), 16)
+    with pytest.raises(vkmoe.VkmoeError, match="used after close"):
+        buf.host_view(np.uint32, (4,), 16)  # the kept view went with the buffer
+
+
 def test_typed_push_and_spec_errors(dev):
     pipe = Pipeline(dev, SAXPY, push=SaxpyPush, spec={0: 1.0})
     try:
