@@ -201,7 +201,8 @@ class Exl3Linear:
     @property
     def last_gpu_ms(self):
         """The GPU time of the last call in ms (its timestamps, read when this is asked for; see
-        vkmoe.vk.commands.GpuTime), None before the first call; NaN after a call that failed once submitted."""
+        vkmoe.vk.GpuTime), None before the first call; NaN when a later call submitted first (one that then failed,
+        or a read racing it from another thread)."""
         t = self._last_gpu_time
         return None if t is None else t.ms
 

@@ -318,8 +318,9 @@ class Exl3MoeMlp:
     @property
     def last_run(self):
         """How the last call ran: a dict (README, "moe.last_run"), made when first read: a runtime calling every
-        layer for every token rarely reads it, and its gpu_ms is a driver call (vkmoe.vk.commands.GpuTime). A call
-        that failed after its submission leaves the previous call's report, with gpu_ms NaN."""
+        layer for every token rarely reads it, and its gpu_ms is a driver call (vkmoe.vk.GpuTime). The previous
+        call's report, if not read before the next call submits, loses its gpu_ms (NaN): seen only when that call
+        fails afterwards, or by a read racing it from another thread."""
         report = self._last_run
         if callable(report):
             report = self._last_run = report()
