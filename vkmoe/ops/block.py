@@ -24,7 +24,7 @@ import numpy as np
 from .. import knobs, layout
 from ..vk import CommandRecorder, PushConstants
 from . import kernels
-from .device_array import CallTransfers, DeviceArray, close_recording, resolve_out
+from .device_array import CallTransfers, DeviceArray, close_recording, last_gpu_ms, resolve_out
 from .router import RouterGemv, check_tokens
 
 POISON_F32 = 0x7FC00000  # the output is NaN-filled before the block runs: an element it forgets shows up
@@ -277,13 +277,7 @@ class DeviceMoeBlock:
             self.last_mode = mode
             return ob.host_view(np.float32, (m, self.H)).copy() if target is None else target
 
-    @property
-    def last_gpu_ms(self):
-        """The GPU time of the last call in ms (its timestamps, read when this is asked for; see
-        vkmoe.vk.GpuTime), None before the first call; NaN when a later call submitted first (one that then failed,
-        or a read racing it from another thread)."""
-        t = self.last_gpu_time
-        return None if t is None else t.ms
+    last_gpu_ms = last_gpu_ms  # device_array.last_gpu_ms: reads last_gpu_time when asked
 
     def _submit(self, m, inputs, target, mode):
         """Inputs, the block recorded for this shape and mode, the output's copy: ONE submission, waited for (the

@@ -115,6 +115,17 @@ class DeviceArray:
         return f"<vkmoe.DeviceArray {self.shape} {self.dtype}{state}>"
 
 
+def _last_gpu_ms(op):
+    t = op.last_gpu_time
+    return None if t is None else t.ms
+
+
+# The `last_gpu_ms` property of the ops whose last call's vkmoe.vk.GpuTime is their `last_gpu_time`.
+last_gpu_ms = property(_last_gpu_ms, doc="""The GPU time of the last call in ms (its timestamps, read when this is
+    asked for), None before the first call; NaN when a later call submitted first (one that then failed, or a read
+    racing it from another thread).""")
+
+
 def resolve_out(out, device, shape, dtype):
     """An op's `out` argument: None (return numpy), "device" (a new DeviceArray) or a DeviceArray to fill.
     Returns None or the DeviceArray the op writes."""

@@ -12,7 +12,7 @@ from .. import knobs, layout
 from ..exl3 import Exl3Tensor
 from ..vk import CommandRecorder
 from . import kernels
-from .device_array import CallTransfers, DeviceArray, close_recording, resolve_out
+from .device_array import CallTransfers, DeviceArray, close_recording, last_gpu_ms, resolve_out
 from .host_arrays import describe, host_array, out_dtype_of
 from .plan import gemm_plan
 
@@ -87,7 +87,7 @@ class Exl3Linear:
         self._call_lock = threading.RLock()  # one call at a time per layer; no eviction under a running one
         self._transfers = CallTransfers(device)  # DeviceArray copies riding on a call's one submission
         self._owned = [self._trellis, self._suh, self._svh, self._bias]
-        self._last_gpu_time = None  # the GpuTime of the last call (last_gpu_ms)
+        self.last_gpu_time = None  # the last call's vkmoe.vk.GpuTime (last_gpu_ms reads it)
         # A layer dropped without close() still frees its device memory (not at exit: the process does that).
         weakref.finalize(self, _release_linear, self._io, self._sets, self._scratch, self._owned).atexit = False
 
@@ -191,20 +191,14 @@ class Exl3Linear:
             with self.device.use():
                 if not copies_in:
                     xb.host_view(np.float16, (m, self.k))[...] = x
-                if self._last_gpu_time is not None:  # not read by now: nobody will, the submission need not read it
-                    self._last_gpu_time.forget()
+                if self.last_gpu_time is not None:  # not read by now: nobody will, the submission need not read it
+                    self.last_gpu_time.forget()
                 self._transfers.submit(rec, copies_in, copies_out)
                 y = yb.host_view(np.float16, (m, self.n)).astype(dtype) if target is None else target
-            self._last_gpu_time = rec.gpu_time()
+            self.last_gpu_time = rec.gpu_time()
             return y
 
-    @property
-    def last_gpu_ms(self):
-        """The GPU time of the last call in ms (its timestamps, read when this is asked for; see
-        vkmoe.vk.GpuTime), None before the first call; NaN when a later call submitted first (one that then failed,
-        or a read racing it from another thread)."""
-        t = self._last_gpu_time
-        return None if t is None else t.ms
+    last_gpu_ms = last_gpu_ms  # device_array.last_gpu_ms: reads last_gpu_time when asked
 
     def _call_buffers(self, m):
         """(x, y, recorder) of __call__ for m rows: x where the host writes and the device reads it, y where the
