@@ -267,6 +267,27 @@ def test_unwritten_output_is_nan(device, ops, layer, to_device):
     assert out.shape == (m, moe.H) and np.isnan(out).all()
 
 
+# ------------------------------------------------------------------------------------ GPU time when asked
+def test_gpu_time_is_read_only_when_asked(device, ops, layer, monkeypatch):
+    """A runtime's calls read no timestamps (a driver call each) unless it asks for last_run["gpu_ms"] or
+    last_gpu_ms; what it then reads is the last call's own, also once the layer is closed."""
+    moe, lin, _ = ops
+    call = layer.calls[0]
+    x, ids, w = call["x"], call["selected"], call["weights"]
+    reads = []
+    real = commands.CommandRecorder._ticks
+    monkeypatch.setattr(commands.CommandRecorder, "_ticks", lambda rec: reads.append(rec) or real(rec))
+    for _ in range(3):
+        moe(x, ids, w), lin(x)
+    assert reads == []
+    assert moe.last_run["gpu_ms"] > 0 and lin.last_gpu_ms > 0 and len(reads) == 2
+    assert moe.last_run is moe.last_run and lin.last_gpu_ms > 0 and len(reads) == 2  # each read once
+    L = layer
+    with vkmoe.Exl3MoeMlp(device, L.gate, L.up, L.down, activation="silu", dispatch="split") as own:
+        own(x, ids, w)
+    assert own.last_run["gpu_ms"] > 0 and own.last_run["mode"] == "split"  # read when the layer closed
+
+
 # ------------------------------------------------------------------------------------ fence wait
 @pytest.mark.parametrize("spin_s", [1.0, 1e-6], ids=["spin-catches-it", "spin-then-sleep"])
 def test_wait_spins_then_sleeps(device, ops, spin_s):

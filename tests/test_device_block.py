@@ -100,6 +100,22 @@ def test_one_submission_per_call(blocks, device):
             assert np.array_equal(out.numpy(), first)
 
 
+def test_gpu_time_is_read_only_when_asked(blocks, monkeypatch):
+    """Calls read no timestamps unless last_run["gpu_ms"] (or the device block's last_gpu_ms) is asked for."""
+    from vkmoe.vk import commands
+
+    block = blocks["qwen3_next", 0]
+    x = _hidden(2, seed=3)
+    reads = []
+    real = commands.CommandRecorder._ticks
+    monkeypatch.setattr(commands.CommandRecorder, "_ticks", lambda rec: reads.append(rec) or real(rec))
+    for _ in range(3):
+        block(x)
+    assert reads == []
+    assert block.last_run["gpu_ms"] > 0 and block.device_block.last_gpu_ms == block.last_run["gpu_ms"]
+    assert len(reads) == 1
+
+
 def _poisoned(device, m):
     return DeviceArray.from_numpy(device, np.full((m, H), np.nan, np.float32))
 

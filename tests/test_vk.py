@@ -84,6 +84,64 @@ def test_saxpy_spec_and_push(dev):
     assert stamps[1] > 0
 
 
+def test_gpu_time_is_read_only_when_asked_and_always_its_own_submission(dev, monkeypatch):
+    """CommandRecorder.gpu_time(): no query read unless someone asks (ops make one per call), and a GpuTime still
+    held when its results would be overwritten (next submission, re-recording, close) is read first."""
+    n = 4096
+    pipe = Pipeline(dev, SAXPY, push=SaxpyPush, spec={0: 0.0})
+    bx, by = dev.memory.allocate(4 * n), dev.memory.allocate(4 * n)
+    reads = []
+    try:
+        with CommandRecorder(dev, timestamps=2) as rec:
+            real_ticks = rec._ticks
+            monkeypatch.setattr(rec, "_ticks", lambda: reads.append(1) or real_ticks())
+
+            def record(groups):
+                rec.begin()
+                rec.timestamp()
+                rec.dispatch(pipe, pipe.bind(bx, by), groups, pipe.push(a=1.0, n=n))
+                rec.timestamp()
+                rec.end()
+
+            record(n // 64)
+            rec.submit(timeout=30)
+            expect = rec.elapsed_ms()
+            held = rec.gpu_time()
+            assert rec.gpu_time() is held  # one per submission
+            reads.clear()
+            rec.submit(timeout=30)
+            assert len(reads) == 1  # `held`, read before the submission overwrote its results
+            assert held.ms == expect and len(reads) == 1  # read once
+            rec.gpu_time()  # dropped at once: nobody can ask for it, the next submission reads nothing
+            reads.clear()
+            rec.submit(timeout=30)
+            assert reads == []
+            forgotten = rec.gpu_time()
+            forgotten.forget()
+            again = rec.gpu_time()  # re-recording and close also read a held one first
+            assert again is not forgotten and np.isnan(forgotten.ms)
+            expect = rec.elapsed_ms()
+            record(1)
+            assert again.ms == expect
+            rec.submit(timeout=30)
+            expect, last = rec.elapsed_ms(), rec.gpu_time()
+        assert last.ms == expect and expect >= 0  # read when the recorder closed
+    finally:
+        bx.close(), by.close(), pipe.close()
+
+
+def test_host_view_is_kept_and_checked(dev):
+    with dev.memory.allocate(64, kind="readback") as buf:
+        view = buf.host_view(np.uint32, (4,), 16)
+        assert buf.host_view(np.uint32, (4,), 16) is view  # made once
+        view[...] = [1, 2, 3, 4]
+        assert buf.download(np.uint32, (4,), offset=16).tolist() == [1, 2, 3, 4]
+        with pytest.raises(ValueError, match="needs 80 bytes"):
+            buf.host_view(np.uint32, (16,), 16)
+    with pytest.raises(vkmoe.VkmoeError, match="used after close"):
+        buf.host_view(np.uint32, (4,), 16)  # the kept view went with the buffer
+
+
 def test_typed_push_and_spec_errors(dev):
     pipe = Pipeline(dev, SAXPY, push=SaxpyPush, spec={0: 1.0})
     try:

@@ -94,16 +94,32 @@ KNOBS = {k.name: k for k in (
 )}
 
 
+# (name, text) -> the parsed value: ops read some knobs on every call (a decode step makes thousands), and the
+# environment is still looked up each time, so a change between calls is seen; only valid texts are kept.
+_parsed = {}
+_PARSED_MAX = 256  # a process cycling through ever new values starts over rather than growing without bound
+
+
 def get(name, environ=None):
     """The value of knob `name` now: its default when unset or blank, else the parsed text."""
-    knob = KNOBS[name]
     text = (os.environ if environ is None else environ).get(name)
-    if text is None or not text.strip():
+    if text is None:
+        return KNOBS[name].default
+    try:
+        return _parsed[name, text]
+    except KeyError:
+        pass
+    knob = KNOBS[name]
+    if not text.strip():
         return knob.default
     try:
-        return knob.parse(text.strip())
+        value = knob.parse(text.strip())
     except (ValueError, KeyError):
         raise KnobError(name, knob.expected, text) from None
+    if len(_parsed) >= _PARSED_MAX:
+        _parsed.clear()
+    _parsed[name, text] = value
+    return value
 
 
 def parse(name, text):

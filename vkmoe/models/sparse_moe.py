@@ -292,9 +292,11 @@ class SparseMoeBlock:
             residual = self._residual(residual, hidden)
             if residual.dtype not in (np.float16, np.float32):
                 residual = residual.astype(np.float32)  # the host norms' precision
-        result = self.device_block(hidden, tokens, out, residual if self.norms is not None else None)
-        self._last_run = {"mode": self.device_block.last_mode, "where": "device (router, experts, sum)",
-                          "gpu_ms": self.device_block.last_gpu_ms}
+        block = self.device_block
+        result = block(hidden, tokens, out, residual if self.norms is not None else None)
+        # made when last_run is read: its GPU time is a driver call a runtime rarely wants (vkmoe.vk.GpuTime)
+        mode, gpu_time = block.last_mode, block.last_gpu_time
+        self._last_run = lambda: {"mode": mode, "where": "device (router, experts, sum)", "gpu_ms": gpu_time.ms}
         return result
 
     def _device_tokens(self, input_ids, m):
@@ -344,7 +346,12 @@ class SparseMoeBlock:
     def last_run(self):
         """How the last call ran: the routed-expert op's report (CPU backend), or for the device block {"mode": the
         routed experts' split / persistent, "where", "gpu_ms": the whole block's GPU time}."""
-        return self._last_run if self.device_block is not None else getattr(self.moe, "last_run", None)
+        if self.device_block is None:
+            return getattr(self.moe, "last_run", None)
+        report = self._last_run
+        if callable(report):
+            report = self._last_run = report()
+        return report
 
     def reference(self, hidden, routing=None, input_ids=None, residual=None) -> np.ndarray:
         """The whole block in float64 (router included) with vkmoe.exl3.reference; (m, H) float64."""

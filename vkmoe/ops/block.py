@@ -24,7 +24,7 @@ import numpy as np
 from .. import knobs, layout
 from ..vk import CommandRecorder, PushConstants
 from . import kernels
-from .device_array import CallTransfers, DeviceArray, close_recording, resolve_out
+from .device_array import CallTransfers, DeviceArray, close_recording, last_gpu_ms, resolve_out
 from .router import RouterGemv, check_tokens
 
 POISON_F32 = 0x7FC00000  # the output is NaN-filled before the block runs: an element it forgets shows up
@@ -98,7 +98,7 @@ class DeviceMoeBlock:
         self._dummy = device.memory.allocate(16)  # the token ids of a router that reads none
         self._transfers = CallTransfers(device)
         self._lock = threading.RLock()  # one call at a time: the scratch and io buffers are per block
-        self.last_gpu_ms = None
+        self.last_gpu_time = None  # the last call's vkmoe.vk.GpuTime (last_gpu_ms reads it)
         self.last_mode = None
 
     # --------------------------------------------------------------------------------------------- record
@@ -265,7 +265,9 @@ class DeviceMoeBlock:
         if m == 0:
             return np.zeros((0, self.H), np.float32) if target is None else target
         inputs = {"x": hidden, "tokens": tokens, "residual": residual}
-        with self._lock:
+        # The io buffers are mapped: written and read through kept numpy views, under one hold of the device (a
+        # closed device's memory is unmapped; close() waits for this block instead).
+        with self._lock, self.device.use():
             mode = self.moe.decided_mode(m, self.top_k)
             ob, abort = self._submit(m, inputs, target, mode)
             if abort:  # a persistent launch's bounded spin ran out: its output is not valid, re-run split
@@ -273,24 +275,28 @@ class DeviceMoeBlock:
                 mode = "split"
                 ob, _ = self._submit(m, inputs, target, mode)
             self.last_mode = mode
-            return ob.download(np.float32, (m, self.H)) if target is None else target
+            return ob.host_view(np.float32, (m, self.H)).copy() if target is None else target
+
+    last_gpu_ms = last_gpu_ms  # device_array.last_gpu_ms: reads last_gpu_time when asked
 
     def _submit(self, m, inputs, target, mode):
-        """Inputs, the block recorded for this shape and mode, the output's copy: ONE submission, waited for.
-        Returns (the output buffer, the persistent launch's abort code: copied behind the output)."""
-        dtypes = tuple((name, None if a is None else np.dtype(a.dtype).str) for name, a in inputs.items())
+        """Inputs, the block recorded for this shape and mode, the output's copy: ONE submission, waited for (the
+        caller holds the device). Returns (the output buffer, the persistent launch's abort code: copied behind
+        the output)."""
+        dtypes = tuple((name, None if a is None else a.dtype) for name, a in inputs.items())
         bufs, ob, rec = self._call_buffers(m, dtypes, mode)
         copies_in = []
         for name, src in inputs.items():
             if isinstance(src, DeviceArray):
                 copies_in.append((src.buffer, bufs[name], src.nbytes))
             elif src is not None:
-                bufs[name].upload(np.ascontiguousarray(src))
+                bufs[name].host_view(src.dtype, src.shape)[...] = src
         copies_out = [(ob, target.buffer, target.nbytes)] if target is not None else []
+        if self.last_gpu_time is not None:  # not read by now: nobody will, the submission need not read it
+            self.last_gpu_time.forget()
         self._transfers.submit(rec, copies_in, copies_out)
-        self.last_gpu_ms = rec.elapsed_ms()
-        out_bytes = m * self.H * 4
-        abort = int(ob.download(np.uint32, (1,), offset=out_bytes)[0]) if mode == "persistent" else 0
+        self.last_gpu_time = rec.gpu_time()
+        abort = int(ob.host_view(np.uint32, (1,), m * self.H * 4)[0]) if mode == "persistent" else 0
         return ob, abort
 
     def _call_buffers(self, m, dtypes, mode):

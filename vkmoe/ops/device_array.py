@@ -91,9 +91,9 @@ class DeviceArray:
             raise VkmoeError(f"{name} is a closed DeviceArray (its buffer or its device was closed)")
         if self._device is not device:
             raise ValueError(f"{name} is a DeviceArray on {self._device!r}; this op runs on {device!r}")
-        if self.dtype != np.dtype(dtype):
+        if self.dtype != dtype:  # (a numpy dtype equals its scalar type: no np.dtype() per call)
             raise TypeError(f"{name} must be {np.dtype(dtype)}, got a DeviceArray of {self.dtype}")
-        if len(self.shape) != len(shape) or any(w is not None and w != d for w, d in zip(shape, self.shape)):
+        if len(self.shape) != len(shape) or not all(w is None or w == d for w, d in zip(shape, self.shape)):
             want = "(" + ", ".join("m" if w is None else str(w) for w in shape) + ")"
             raise ValueError(f"{name} must have shape {want}, got a DeviceArray of shape {self.shape}")
         return self
@@ -113,6 +113,17 @@ class DeviceArray:
     def __repr__(self):
         state = " closed" if self.closed else ""
         return f"<vkmoe.DeviceArray {self.shape} {self.dtype}{state}>"
+
+
+def _last_gpu_ms(op):
+    t = op.last_gpu_time
+    return None if t is None else t.ms
+
+
+# The `last_gpu_ms` property of the ops whose last call's vkmoe.vk.GpuTime is their `last_gpu_time`.
+last_gpu_ms = property(_last_gpu_ms, doc="""The GPU time of the last call in ms (its timestamps, read when this is
+    asked for), None before the first call; NaN when a later call submitted first (one that then failed, or a read
+    racing it from another thread).""")
 
 
 def resolve_out(out, device, shape, dtype):
@@ -165,7 +176,7 @@ class CallTransfers:
     def _record(self, slot, copies, barrier_first):
         # The memory blocks themselves are in the key (not their ids): the key keeps them alive, so a block
         # freed and replaced can never match a stale recording.
-        key = tuple((src.block, src.offset, dst.block, dst.offset, nbytes) for src, dst, nbytes in copies)
+        key = [(src.block, src.offset, dst.block, dst.offset, nbytes) for src, dst, nbytes in copies]
         rec = getattr(self, slot)
         if rec is not None and self._recorded.get(slot) == key:
             return rec  # a runtime calling with the same arrays: the copies are recorded already

@@ -46,8 +46,16 @@ def host_array(value, name: str) -> np.ndarray:
                     f"tensor) or a list, got {describe(value)}")
 
 
+# The usual arguments, looked up without building dtypes (out_dtype_of runs on every op call).
+_KNOWN_OUT = {d: np.dtype(d) for d in OUT_DTYPES + ("float16", "float32")}
+
+
 def out_dtype_of(out_dtype) -> np.dtype:
     """The checked `out_dtype` argument of an op: float16 or float32."""
+    try:
+        return _KNOWN_OUT[out_dtype]
+    except (KeyError, TypeError):  # TypeError: an unhashable argument, refused below
+        pass
     try:
         dtype = np.dtype(out_dtype)
     except TypeError:

@@ -12,7 +12,7 @@ from .. import knobs, layout
 from ..exl3 import Exl3Tensor
 from ..vk import CommandRecorder
 from . import kernels
-from .device_array import CallTransfers, DeviceArray, close_recording, resolve_out
+from .device_array import CallTransfers, DeviceArray, close_recording, last_gpu_ms, resolve_out
 from .host_arrays import describe, host_array, out_dtype_of
 from .plan import gemm_plan
 
@@ -87,7 +87,7 @@ class Exl3Linear:
         self._call_lock = threading.RLock()  # one call at a time per layer; no eviction under a running one
         self._transfers = CallTransfers(device)  # DeviceArray copies riding on a call's one submission
         self._owned = [self._trellis, self._suh, self._svh, self._bias]
-        self.last_gpu_ms = None
+        self.last_gpu_time = None  # the last call's vkmoe.vk.GpuTime (last_gpu_ms reads it)
         # A layer dropped without close() still frees its device memory (not at exit: the process does that).
         weakref.finalize(self, _release_linear, self._io, self._sets, self._scratch, self._owned).atexit = False
 
@@ -184,16 +184,21 @@ class Exl3Linear:
             return np.zeros((0, self.n), dtype) if target is None else target
         with self._call_lock:
             xb, yb, rec = self._call_buffers(m)
-            copies_in = copies_out = ()
-            if isinstance(x, DeviceArray):
-                copies_in = [(x.buffer, xb, x.nbytes)]
-            else:
-                xb.upload(x)
-            if target is not None:
-                copies_out = [(yb, target.buffer, target.nbytes)]
-            self._transfers.submit(rec, copies_in, copies_out)
-            self.last_gpu_ms = rec.elapsed_ms()
-            return yb.download(np.float16, (m, self.n)).astype(dtype, copy=False) if target is None else target
+            copies_in = [(x.buffer, xb, x.nbytes)] if isinstance(x, DeviceArray) else ()
+            copies_out = [(yb, target.buffer, target.nbytes)] if target is not None else ()
+            # x and y are mapped: written and read through kept numpy views, under one hold of the device (a
+            # closed device's memory is unmapped; close() waits for this block instead)
+            with self.device.use():
+                if not copies_in:
+                    xb.host_view(np.float16, (m, self.k))[...] = x
+                if self.last_gpu_time is not None:  # not read by now: nobody will, the submission need not read it
+                    self.last_gpu_time.forget()
+                self._transfers.submit(rec, copies_in, copies_out)
+                y = yb.host_view(np.float16, (m, self.n)).astype(dtype) if target is None else target
+            self.last_gpu_time = rec.gpu_time()
+            return y
+
+    last_gpu_ms = last_gpu_ms  # device_array.last_gpu_ms: reads last_gpu_time when asked
 
     def _call_buffers(self, m):
         """(x, y, recorder) of __call__ for m rows: x where the host writes and the device reads it, y where the

@@ -19,7 +19,7 @@ from ..layout import ROUTE_MAX_EXPERTS as MAX_EXPERTS
 from ..sched import occupancy
 from ..sched.plan import coop_split_reason, decide, persistent_plan
 from ..exl3.reference import check_op_routing
-from ..vk import CommandRecorder, DeviceClosedError, PushConstants, TimeoutError
+from ..vk import CommandRecorder, DeviceClosedError, GpuTime, PushConstants, TimeoutError
 from . import kernels
 from .device_array import CallTransfers, DeviceArray, resolve_out
 from .host_arrays import describe, host_array, out_dtype_of
@@ -150,10 +150,15 @@ class _Recording:
 
 
 class RunResult(NamedTuple):
-    """What one submitted forward gave: the output, its GPU time, and the abort code (0: the output is valid)."""
+    """What one submitted forward gave: the output, its GPU time (read from the timestamps when gpu_ms is asked
+    for), and the abort code (0: the output is valid)."""
     out: np.ndarray
-    gpu_ms: float
+    gpu_time: GpuTime
     abort_code: int
+
+    @property
+    def gpu_ms(self) -> float:
+        return self.gpu_time.ms
 
 
 class _SplitPath:
@@ -302,12 +307,24 @@ class Exl3MoeMlp:
         self._call_lock = threading.RLock()
         self._transfers = CallTransfers(device)      # DeviceArray copies riding on a call's one submission
         self._call_options = threading.local()      # per call: the DeviceArray the output goes to, if any
-        self.last_run = None
+        self._last_run = None  # the last_run dict, or a function making it (see last_run)
+        self._last_gpu_time = None  # the GpuTime that function reads
         # A layer dropped without close() still frees its device memory (not at interpreter exit: by then the
         # process gives everything back anyway).
         projections = (gate, up, down) if gate is not None else (up, down)
         self._resources = (self._recorded, self._scratch, self._io, projections)
         weakref.finalize(self, _release_layer, *self._resources).atexit = False
+
+    @property
+    def last_run(self):
+        """How the last call ran: a dict (README, "moe.last_run"), made when first read: a runtime calling every
+        layer for every token rarely reads it, and its gpu_ms is a driver call (vkmoe.vk.GpuTime). The previous
+        call's report, if not read before the next call submits, loses its gpu_ms (NaN): seen only when that call
+        fails afterwards, or by a read racing it from another thread."""
+        report = self._last_run
+        if callable(report):
+            report = self._last_run = report()
+        return report
 
     @property
     def dispatch(self):
@@ -589,11 +606,10 @@ class Exl3MoeMlp:
         m, top_k = ids.shape
         mode = parse_dispatch(dispatch if dispatch is not None else self._dispatch_arg)
         if m == 0:
-            self.last_run = _run_report("none", mode, "m = 0: nothing to run", None, None, None, 0.0, 0.0)
+            self._last_run = _run_report("none", mode, "m = 0: nothing to run", None, None, None, 0.0, 0.0)
             return np.zeros((0, self.H), np.float32)
-        hidden = hidden if isinstance(hidden, DeviceArray) else np.ascontiguousarray(hidden)
-        return self._launch(mode, hidden, np.ascontiguousarray(ids, np.int32),
-                            np.ascontiguousarray(weights, np.float32), m, top_k)
+        # (_run writes the inputs into the mapped input buffers, converting ids to int32, weights to float32)
+        return self._launch(mode, hidden, ids, weights, m, top_k)
 
     def _launch(self, requested, hidden, ids, weights, m, top_k):
         """Run in the mode vkmoe.sched decides; a persistent launch that aborted (a bounded spin ran out) is
@@ -607,6 +623,8 @@ class Exl3MoeMlp:
         decision = decide(self.device, scratch.plan, requested, self.E, self.H, self.I, self.gated,
                           lambda: self.co_resident(scratch.plan), scratch.persistent_fits)
         mode, fallback = decision.mode, None
+        if self._last_gpu_time is not None:  # the last report's GPU time, not read by now, is not wanted:
+            self._last_gpu_time.forget()     # the coming submission need not read it first
         if mode == "persistent":
             result = self.run_persistent(hidden, ids, weights, m, top_k, decision.plan)
             if result.abort_code:
@@ -619,8 +637,10 @@ class Exl3MoeMlp:
             result = self.run_split(hidden, ids, weights, m, top_k)
             if requested == "persistent":  # a request not honoured; an ordinary auto decision is only `reason`
                 fallback = decision.reason
-        self.last_run = _run_report(mode, requested, decision.reason, fallback, scratch.plan, decision.plan,
-                                    result.gpu_ms, (time.perf_counter() - start) * 1e3)
+        plan, gpu_time, wall_ms = scratch.plan, result.gpu_time, (time.perf_counter() - start) * 1e3
+        self._last_gpu_time = gpu_time
+        self._last_run = lambda: _run_report(mode, requested, decision.reason, fallback, plan, decision.plan,
+                                             gpu_time.ms, wall_ms)
         return result.out
 
     def _io_for(self, m, top_k):
@@ -628,19 +648,21 @@ class Exl3MoeMlp:
         reads them, the output (+ STATUS_BYTES) where the device writes and the host reads it, so a call needs
         no staging copies (vkmoe/vk/memory.py: "upload" and "readback" memory)."""
         key = (m, top_k)
-        self._scratch_for(m, top_k)  # registers the shape first: its io goes when it is evicted
-        if key not in self._io:
-            self._io[key] = tuple(self.device.memory.allocate_all(
+        io = self._io.get(key)
+        if io is None:
+            self._scratch_for(m, top_k)  # registers the shape first: its io goes when it is evicted
+            io = self._io[key] = tuple(self.device.memory.allocate_all(
                 [m * self.H * 2, m * top_k * 4, m * top_k * 4, m * self.H * 4 + STATUS_BYTES],
                 kinds=["upload", "upload", "upload", "readback"]))
-        return self._io[key]
+        return io
 
     def _run(self, hidden, ids, weights, m, top_k, key, record_body, status=False):
         """Write the inputs, submit the command buffer recorded for (m, top_k, key) ONCE, wait; returns
-        (out, gpu_ms, scratch, abort word). Recorded on first use: the output poisoned with NaN first (an element
+        (out, GpuTime, scratch, abort word). Recorded on first use: the output poisoned with NaN first (an element
         no stage writes stays NaN), with status=True the sync area's abort word copied behind the output.
         hidden may be a DeviceArray, and the output may go to the DeviceArray of _call_options.out (then out
-        is None): their copies are recorded per call and ride on the same submission (CallTransfers)."""
+        is None): their copies are recorded per call and ride on the same submission (CallTransfers). ids and
+        weights: any integer / float arrays of shape (m, top_k), written as int32 / float32."""
         with self._call_lock:  # one forward at a time per layer: the io and scratch buffers are per layer
             hb, ib, wb, ob = self._io_for(m, top_k)
             scratch = self._scratch_for(m, top_k)
@@ -670,23 +692,25 @@ class Exl3MoeMlp:
             copies_in = copies_out = ()
             if isinstance(hidden, DeviceArray):
                 copies_in = [(hidden.buffer, hb, m * self.H * 2)]
-            else:
-                hb.upload(hidden)
-            ib.upload(ids)
-            wb.upload(weights)
             if target is not None:
                 copies_out = [(ob, target.buffer, out_bytes)]
-            self._transfers.submit(rec, copies_in, copies_out)  # the first run gets the compile bound
-            gpu_ms = rec.elapsed_ms()
-            out = ob.download(np.float32, (m, self.H)) if target is None else None
-            abort = int(ob.download(np.uint32, (1,), offset=out_bytes)[0]) if status else 0
-        return out, gpu_ms, scratch, abort
+            # The io buffers are mapped: written and read through numpy views, under ONE hold of the device
+            # (a closed device's memory is unmapped; close() waits for this block instead).
+            with self.device.use():
+                if not copies_in:
+                    hb.host_view(np.float16, (m, self.H))[...] = hidden
+                ib.host_view(np.int32, (m, top_k))[...] = ids
+                wb.host_view(np.float32, (m, top_k))[...] = weights
+                self._transfers.submit(rec, copies_in, copies_out)  # the first run gets the compile bound
+                out = ob.host_view(np.float32, (m, self.H)).copy() if target is None else None
+                abort = int(ob.host_view(np.uint32, (1,), out_bytes)[0]) if status else 0
+        return out, rec.gpu_time(), scratch, abort
 
     def _run_path(self, path, hidden, ids, weights, m, top_k):
-        out, gpu_ms, scratch, status = self._run(hidden, ids, weights, m, top_k, path.key, path.record,
-                                                 status=path.reads_status)
+        out, gpu_time, scratch, status = self._run(hidden, ids, weights, m, top_k, path.key, path.record,
+                                                   status=path.reads_status)
         scratch.last_status = status
-        return RunResult(out, gpu_ms, path.check(scratch))
+        return RunResult(out, gpu_time, path.check(scratch))
 
     def run_split(self, hidden, ids, weights, m, top_k):
         """Upload, run the split path (output poisoned first), wait; returns a RunResult (abort_code 0)."""

@@ -4,8 +4,11 @@ and wait with a timeout (vkmoe.TimeoutError instead of blocking forever).
 Submission is on every op call's path, so it goes to the cffi functions directly with structs built once per
 recorder, and the wait spins on the fence status for a short while before sleeping (on the H200 host an empty
 submit + wait took 71.6 us sleeping in vkWaitForFences and 42.9 us spinning)."""
+import contextlib
 import functools
+import threading
 import time
+import weakref
 
 import numpy as np
 import vulkan as vk
@@ -40,6 +43,35 @@ def _holds_device(method):
         with self.device.use():
             return method(self, *args, **kwargs)
     return held
+
+
+class GpuTime:
+    """The GPU time of one submission of a recorder (between its first and last timestamps), read from the query
+    pool only when `ms` is asked for: vkGetQueryPoolResults is a driver call (10-50 us on lavapipe) that an op
+    would otherwise make on every call for a number a runtime rarely reads. While this object is referenced, the
+    recorder reads it before anything overwrites the results (its next submission, re-recording or close), so
+    `ms` is always that of its own submission."""
+    __slots__ = ("_rec", "_ms", "__weakref__")
+
+    def __init__(self, rec):
+        self._rec, self._ms = rec, None
+
+    @property
+    def ms(self):
+        rec = self._rec  # None once read or forgotten (by this or another thread)
+        if rec is not None:
+            rec._settle(self, hold=True)
+        return self._ms
+
+    def forget(self):
+        """Nobody will ask for this time (an op about to submit again drops its last report's): the recorder
+        then need not read it before that submission; `ms` becomes NaN unless it was read already."""
+        rec = self._rec
+        if rec is not None:  # (None: read, forgotten, or settled by a later submission)
+            self._rec = None
+            if self._ms is None:
+                self._ms = float("nan")
+            rec._gpu_time = None  # the recorder's next gpu_time() makes a new one
 
 
 class CommandRecorder:
@@ -83,7 +115,13 @@ class CommandRecorder:
         self._submit_info = ffi.new("VkSubmitInfo*")
         self._submit_info.sType = vk.VK_STRUCTURE_TYPE_SUBMIT_INFO
         self._own_buffers = ffi.new("VkCommandBuffer[1]", [self.handle])
+        self._rider_key = self._rider_handles = None  # the last submission's riders and its handle array
         self._stamp_data = ffi.new("uint64_t[]", max(1, self.timestamp_slots))
+        bits = device.timestamp_valid_bits
+        self._stamp_mask = (1 << bits) - 1 if bits < 64 else (1 << 64) - 1
+        self._stamp_period_ms = device.limits.timestampPeriod * 1e-6
+        self._stamp_lock = threading.Lock()
+        self._gpu_time = None  # a weak reference to the GpuTime of the last submission (see gpu_time())
         self._next_timestamp = 0
         self._keep = []  # descriptor sets and push data referenced by the recorded commands
         self._untracked = untracked
@@ -97,6 +135,7 @@ class CommandRecorder:
         self._wait_for_carrier()
         if self._pending:
             self.wait()
+        self._settle_gpu_time()
         call("vkResetCommandBuffer", vk.vkResetCommandBuffer, self.handle, 0)
         call("vkBeginCommandBuffer", vk.vkBeginCommandBuffer, self.handle, vk.VkCommandBufferBeginInfo(
             sType=vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO))
@@ -197,35 +236,45 @@ class CommandRecorder:
         around it in the same vkQueueSubmit (one submission, one fence: this recorder's). Submission order
         spans the buffers, so barriers recorded in one order the commands of the others."""
         global _submissions
-        self._check_open()
-        if not self._recorded:
-            raise VkmoeError("submit() needs a recorded command buffer (begin() ... end())")
-        riders = tuple(before) + tuple(after)
-        for r in riders:
-            if not r._recorded or r.device is not self.device:
-                raise VkmoeError("submit(before=, after=) takes recorded CommandRecorders of the same device")
-            r._wait_for_carrier()
-        if self._pending:
-            self.wait(timeout)
-        if riders:
-            handles = ffi.new("VkCommandBuffer[]", [r.handle for r in before] + [self.handle]
-                              + [r.handle for r in after])
-        else:
-            handles = self._own_buffers
-        info = self._submit_info
-        info.commandBufferCount = len(riders) + 1
-        info.pCommandBuffers = handles
         dev = self.device
-        with dev.use(), dev._lock:
-            check("vkResetFences", vk.lib.vkResetFences(dev.handle, 1, self._fences))
-            check("vkQueueSubmit", vk.lib.vkQueueSubmit(dev.queue, 1, info, self._fence))
-            _submissions += 1
-        self._pending = True
-        self.submissions += 1
-        for r in riders:
-            r._riding_on = self
-        if wait:
-            self.wait(timeout)
+        # One hold of the device for the submission and the wait: close() waits for both (each re-entry of
+        # use() costs about a microsecond, and this runs on every op call).
+        with dev.use():
+            self._check_open()
+            if not self._recorded:
+                raise VkmoeError("submit() needs a recorded command buffer (begin() ... end())")
+            riders = (*before, None, *after) if before or after else ()  # None: this buffer's place
+            for r in riders:
+                if r is None:
+                    continue
+                if not r._recorded or r.device is not dev or r.handle is None:
+                    raise VkmoeError("submit(before=, after=) takes recorded CommandRecorders of the same device")
+                r._wait_for_carrier()
+            if self._pending:
+                self._wait(timeout)
+            self._settle_gpu_time()
+            if not riders:
+                handles = self._own_buffers
+            elif riders == self._rider_key:  # an op's call: the same transfer recorders every time
+                handles = self._rider_handles
+            else:
+                handles = ffi.new("VkCommandBuffer[]", [r.handle for r in before] + [self.handle]
+                                  + [r.handle for r in after])
+                self._rider_key, self._rider_handles = (*before, None, *after), handles
+            info = self._submit_info
+            info.commandBufferCount = len(riders) or 1
+            info.pCommandBuffers = handles
+            with dev._lock:
+                check("vkResetFences", vk.lib.vkResetFences(dev.handle, 1, self._fences))
+                check("vkQueueSubmit", vk.lib.vkQueueSubmit(dev.queue, 1, info, self._fence))
+                _submissions += 1
+            self._pending = True
+            self.submissions += 1
+            for r in riders:
+                if r is not None:
+                    r._riding_on = self
+            if wait:
+                self._wait(timeout)
         return self
 
     def _wait_for_carrier(self):
@@ -251,16 +300,17 @@ class CommandRecorder:
                 check("vkGetFenceStatus", status)
         timeout = knobs.get("VKMOE_TIMEOUT") if timeout is None else float(timeout)
         deadline = time.monotonic() + timeout
+        left = max(0.0, timeout)
         while True:
             # Short slices keep Ctrl-C responsive; the total is bounded by `timeout`.
-            left = max(0.0, deadline - time.monotonic())
             result = vk.lib.vkWaitForFences(self.device.handle, 1, self._fences, vk.VK_TRUE,
                                             int(min(left, 0.25) * 1e9))
             if result == vk.VK_SUCCESS:
                 self._pending = False
                 return
             check("vkWaitForFences", result, ok=(vk.VK_TIMEOUT,))
-            if time.monotonic() >= deadline:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 raise TimeoutError(f"the GPU did not finish within {timeout:g} s; the device may be hung and "
                                    "should be recreated")
 
@@ -284,22 +334,62 @@ class CommandRecorder:
         n = self._next_timestamp
         if n == 0:
             return []
-        data = self._stamp_data
         with self.device.use():
             self._check_open()
-            result = vk.lib.vkGetQueryPoolResults(self.device.handle, self._query_pool, 0, n, 8 * n, data, 8,
-                                                  vk.VK_QUERY_RESULT_64_BIT | vk.VK_QUERY_RESULT_WAIT_BIT)
-        check("vkGetQueryPoolResults", result)
-        bits = self.device.timestamp_valid_bits
-        mask = (1 << bits) - 1 if bits < 64 else (1 << 64) - 1
-        ticks = [int(data[i]) & mask for i in range(n)]
-        period_ms = self.device.limits.timestampPeriod * 1e-6
+            ticks = self._ticks()
+        mask, period_ms = self._stamp_mask, self._stamp_period_ms
         return [((t - ticks[0]) & mask) * period_ms for t in ticks]
+
+    def _ticks(self):
+        """The raw timestamps of the last completed submission (valid bits only); the caller holds the device."""
+        n, data = self._next_timestamp, self._stamp_data
+        check("vkGetQueryPoolResults", vk.lib.vkGetQueryPoolResults(
+            self.device.handle, self._query_pool, 0, n, 8 * n, data, 8,
+            vk.VK_QUERY_RESULT_64_BIT | vk.VK_QUERY_RESULT_WAIT_BIT))
+        mask = self._stamp_mask
+        return [int(data[i]) & mask for i in range(n)]
 
     def elapsed_ms(self, first=0, last=None):
         stamps = self.timestamps_ms()
         last = len(stamps) - 1 if last is None else last
         return stamps[last] - stamps[first]
+
+    def gpu_time(self):
+        """The GpuTime of the last completed submission: elapsed_ms() read only if and when someone asks."""
+        t = self._gpu_time() if self._gpu_time is not None else None
+        if t is None:  # (a live one is this submission's: a submission settles and drops the last one)
+            t = GpuTime(self)
+            self._gpu_time = weakref.ref(t)
+        return t
+
+    def _settle_gpu_time(self):
+        """Before the query results are overwritten or freed: read them into the last submission's GpuTime if
+        anyone still holds it (nobody does on an op's usual call path, which then reads nothing). A live one
+        means no submission since, so the results are that submission's."""
+        ref, self._gpu_time = self._gpu_time, None
+        t = ref() if ref is not None else None
+        if t is not None:
+            self._settle(t, hold=False)  # the callers hold the device, or are closing it
+
+    def _settle(self, t, hold):
+        with self._stamp_lock:  # once, whichever of the GpuTime's reader and the recorder comes first
+            if t._ms is not None:
+                return
+            try:
+                with self.device.use() if hold else contextlib.nullcontext():
+                    t._ms = self._read_elapsed_ms()
+            except VkmoeError:
+                t._ms = float("nan")  # the results are gone (the device was closed or lost)
+            t._rec = None
+
+    def _read_elapsed_ms(self):
+        """elapsed_ms() for the whole submission, holding nothing (close() may run inside Device.close())."""
+        if self.handle is None:
+            raise VkmoeError("CommandRecorder used after close()")
+        if self._next_timestamp == 0:
+            raise VkmoeError("the recorded commands wrote no timestamp")
+        ticks = self._ticks()
+        return ((ticks[-1] - ticks[0]) & self._stamp_mask) * self._stamp_period_ms
 
     def close(self):
         if self.handle is None:
@@ -309,6 +399,7 @@ class CommandRecorder:
                 self.wait()
             except Exception:
                 pass
+        self._settle_gpu_time()
         h = self.device.handle
         if self._query_pool is not None:
             vk.vkDestroyQueryPool(h, self._query_pool, None)

@@ -116,6 +116,7 @@ class Buffer:
         self.kind = kind
         self.host_visible = kind == "host"  # allocate(host_visible=True)
         self._closed = False
+        self._views = {}  # (dtype, shape, offset) -> host_view()'s numpy view
 
     @property
     def handle(self):
@@ -138,18 +139,30 @@ class Buffer:
         if self._closed:
             raise VkmoeError("buffer used after close()")
 
-    def array(self, dtype, shape=None):
-        """Zero-copy numpy view of a host-visible buffer (valid until close())."""
+    def array(self, dtype, shape=None, offset=0):
+        """Zero-copy numpy view of a host-visible buffer from byte `offset` (valid until close())."""
         self._check_open()
         self.device.check_open()  # the view itself is valid only while the device is open
         if self.block.pointer is None:
             raise VkmoeError("array() needs a host-visible buffer; use download() for device-local memory")
         dtype = np.dtype(dtype)
-        count = self.size // dtype.itemsize if shape is None else int(np.prod(shape))
-        if count * dtype.itemsize > self.size:
-            raise ValueError(f"shape {shape} of {dtype} needs {count * dtype.itemsize} bytes; buffer has {self.size}")
-        view = np.frombuffer(ffi.buffer(self.block.pointer + self.offset, count * dtype.itemsize), dtype=dtype)
+        count = (self.size - offset) // dtype.itemsize if shape is None else int(np.prod(shape))
+        if offset < 0 or offset + count * dtype.itemsize > self.size:
+            raise ValueError(f"shape {shape} of {dtype} at offset {offset} needs {offset + count * dtype.itemsize} "
+                             f"bytes; buffer has {self.size}")
+        view = np.frombuffer(ffi.buffer(self.block.pointer + self.offset + offset, count * dtype.itemsize),
+                             dtype=dtype)
         return view if shape is None else view.reshape(shape)
+
+    def host_view(self, dtype, shape, offset=0):
+        """array(dtype, shape, offset), made once and kept: for the input and output buffers an op writes and reads
+        on every call (a dict lookup instead of upload()/download()'s checks and copies through bytes). Touch it
+        only while holding device.use() (a closed device's memory is unmapped) and never after close()."""
+        key = (dtype, shape, offset)
+        view = self._views.get(key)
+        if view is None:
+            view = self._views[key] = self.array(dtype, shape, offset)
+        return view
 
     def upload(self, data, offset=0):
         """Copy a numpy array (any shape, C order) into the buffer at byte `offset`."""
@@ -181,6 +194,7 @@ class Buffer:
     def close(self):
         if not self._closed:
             self._closed = True
+            self._views.clear()
             self._manager.release(self)
 
     def __enter__(self):
