@@ -77,9 +77,11 @@ def test_scheduler_state_resets_itself_over_100_launches(layers):
     assert not words.any(), np.nonzero(words)[0][:24]
 
 
-def test_forced_oversubscription_falls_back_to_split_quickly(tmp_path):
+def test_forced_oversubscription_falls_back_to_split_quickly(device, tmp_path):
     """6 workgroups on a driver with 2 worker threads: 4 can never run while the first 2 spin. Without the
     bound Mesa 25 would deadlock (Mesa 22.3 would end the loop and return garbage)."""
+    if device.device_type != "cpu":
+        pytest.skip("oversubscribes lavapipe's 2 worker threads; a GPU keeps 6 workgroups resident")
     script = textwrap.dedent(f"""
         import json, sys, time
         import numpy as np
