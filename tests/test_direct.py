@@ -113,9 +113,10 @@ def test_plan_chooses_direct_mode_for_small_batches_with_short_items(device, mon
 
     one = plan(1, qwen3)
     assert one.direct and one.rows == 1 and one.max_chunks == one.R
-    assert (one.splits_gu, one.splits_d) == (4, 3)  # nearest to 396 items, not at least 396
+    assert (one.splits_gu, one.splits_d) == (4, 3)  # at most 396 items per phase (one round), not at least 396
     assert ops_plan.hadamard_blocks_spanned(one.kt_gu) <= ops_plan.DIRECT_AUTO_MAX_BLOCKS
-    assert plan(2, qwen3).direct
+    two = plan(2, qwen3)
+    assert two.direct and (two.splits_gu, two.splits_d) == (2, 1)
     four = plan(4, qwen3)  # a direct item would span 16 blocks: routed, k-splits rounded up as before
     assert not four.direct and (four.splits_gu, four.splits_d) == (2, 1)
     assert not plan(1, deepseek).direct

@@ -22,9 +22,10 @@ CAPPED_K_ITERATIONS = 128
 # Measured on the H200 (BENCHMARKS.md): direct mode wins where its gate/up items stay short, so auto also needs
 # their k-range to span at most DIRECT_AUTO_MAX_BLOCKS Hadamard blocks (the stage 1 each item redoes): the
 # Qwen3-30B-A3B shape at m = 1 (34.7 vs 39.1 us) and m = 2 (47.6 vs 53.0); not at m = 4 (16 blocks: 78.9 vs 74.8),
-# nor the DeepSeek-V3 shape (28 blocks: 144.6 vs 140.6 at m = 1). Direct items are short, so its k-splits are the
-# nearest to the target workgroup count rather than at least it: a second round of items costs more than a
-# longer k-range there (Qwen3 m = 1: 4 and 3 splits 34.7 us split / 36.3 persistent, vs 5 and 4: 35.8 / 44.3).
+# nor the DeepSeek-V3 shape (28 blocks: 144.6 vs 140.6 at m = 1). Direct items are short, so its k-splits keep
+# each phase within one round of the target workgroups rather than reaching it: a second round of items costs more
+# than a longer k-range there (Qwen3 m = 1: 4 and 3 splits 34.7 us split / 36.3 persistent, vs 5 and 4: 35.8 /
+# 44.3; m = 2: 2 and 1 splits 47.5 / 52.7, vs 2 and 2: 47.6 / 54.9, vs 3 and 2: 52.5 / 60.0).
 DIRECT_AUTO_MAX_M = 4
 DIRECT_AUTO_MAX_BLOCKS = 8
 
@@ -184,12 +185,12 @@ class MoePlan:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
-def _splits(device, tiles_k, work, target, forced=None, max_kt=None, nearest=False):
+def _splits(device, tiles_k, work, target, forced=None, max_kt=None, one_round=False):
     """(k-splits, k-tiles per split) so that `work` independent items x splits reach about `target`
-    workgroups (or `forced` splits): at least `target` (rounded up), or with `nearest` the split count nearest to
-    target / work, with at least 4 k-tiles per split, at most `max_kt` k-tiles per split, capped where the driver
-    has a loop cap."""
-    wanted = forced if forced else (max(1, round(target / max(1, work))) if nearest else ceil_div(target, max(1, work)))
+    workgroups (or `forced` splits): at least `target`, or with `one_round` at most `target` (one round of a grid of
+    `target` workgroups; never fewer than one split), with at least 4 k-tiles per split, at most `max_kt` k-tiles
+    per split, capped where the driver has a loop cap."""
+    wanted = forced if forced else (max(1, target // max(1, work)) if one_round else ceil_div(target, max(1, work)))
     splits = max(1, min(max(1, tiles_k // 4), wanted))
     kt = ceil_div(tiles_k, splits)
     if device.quirks.get("loop_iteration_cap"):
@@ -234,7 +235,7 @@ def _moe_plan(device, m, top_k, E, H, I, gated, target_workgroups, coop, direct)
     step = COOP_KSTEP if coop else 1
     splits_gu, kt_gu = _splits(device, H // TILE // step, expected_chunks * (I // BAND) * (2 if gated else 1),
                                target_workgroups, forced[0], max_kt=DIRECT_MAX_KT if direct else None,
-                               nearest=direct)
+                               one_round=direct)
     splits_d, kt_d = _splits(device, I // TILE // step, expected_chunks * (H // BAND), target_workgroups, forced[1],
-                             nearest=direct)
+                             one_round=direct)
     return MoePlan(m, top_k, rows, max_chunks, splits_gu, kt_gu * step, splits_d, kt_d * step, coop, direct)
