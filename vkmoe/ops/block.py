@@ -156,8 +156,12 @@ class DeviceMoeBlock:
             pre.append(lambda cmd: self._rmsnorm(cmd, "routed_in", r_buf, r_f32, s.e16, False, m))
             router_in, router_f32, experts_in = s.z16, False, s.e16
         steps = self.router.steps(router_in, router_f32, tokens_buf, s.logits, s.ids, s.weights, m)
-        shared = self._shared_phases(x16, s, m) if self.shared else [[]]
-        first, rest, routed_out, ahead = steps + shared[0], shared[1:], out_buf, []
+        # The shared expert's input Hadamards (and gate GEMV) take a phase of their own before the router, so that
+        # its gate/up GEMMs (a memory-bound read of its weights) run beside the router (a latency-bound GEMV and
+        # selection) rather than beside the short routing pass.
+        shared = self._shared_phases(x16, s, m) if self.shared else [[], []]
+        early = [shared[0]] if self.shared else []
+        first, rest, routed_out, ahead = steps + shared[1], shared[2:], out_buf, []
         if self.latent is not None:  # fc1 beside the router and the shared expert's first GEMMs
             fc1 = self.latent["in"].stages(experts_in, s.xl, m)
             first.append(fc1[0])
@@ -171,7 +175,7 @@ class DeviceMoeBlock:
             def persistent(cmd):
                 self.moe.record(cmd, experts_in, s.ids, s.weights, routed_out, m, self.top_k, mode=mode)
             later = ahead + rest + [[persistent]]
-        phases = ([pre] if pre else []) + [first] + later
+        phases = ([pre] if pre else []) + early + [first] + later
         if self.latent is not None:
             phases += self._latent_tail(s, out_buf, m)
         if self.norms is not None:
@@ -181,9 +185,9 @@ class DeviceMoeBlock:
         return phases
 
     def _shared_phases(self, x16, s, m):
-        """The shared expert's phases: [up and gate input Hadamards, gate GEMV] (beside the router), [up and
-        gate GEMMs], [activation], [down's input Hadamard], [down's GEMM] (beside the routed experts' split
-        dispatches)."""
+        """The shared expert's phases: [up and gate input Hadamards, gate GEMV] (before the router), [up and
+        gate GEMMs] (beside the router), [activation], [down's input Hadamard], [down's GEMM] (beside the routed
+        experts' split dispatches)."""
         ops = self.shared
         up = ops["up"].stages(x16, s.u, m)
         gate = ops["gate"].stages(x16, s.g, m) if "gate" in ops else [None, None]

@@ -13,8 +13,8 @@ import numpy as np
 
 from ..vk import CommandRecorder
 from . import residency
-from .probe import (BASE_SHARED_BYTES, DEFAULT_WORKGROUP_SIZE, HOST_TIMEOUT_S, SLOT_WORDS, _Budget, _calibrate,
-                    _residency_pipeline, summarize_discovery)
+from .probe import (BASE_SHARED_BYTES, DEFAULT_WORKGROUP_SIZE, HOST_TIMEOUT_S, SLOT_WORDS, SpinBudget,
+                    calibrate_spin, residency_pipeline, summarize_discovery)
 
 REPEATS = 3              # the plan takes the smallest clean count
 LAUNCH_PER_CU = 16       # more 256-invocation workgroups per compute unit than any device keeps resident
@@ -23,7 +23,7 @@ PARAM_WORDS = 12         # OCC_PARAMS in occupancy.glsl: open, wait and lock ite
 
 _lock = threading.Lock()
 _measured = {}           # (device key, pipeline key) -> measurement
-_budgets = {}            # device key -> _Budget
+_budgets = {}            # device key -> SpinBudget
 
 
 def _budget(device):
@@ -31,14 +31,14 @@ def _budget(device):
     with _lock:
         if key in _budgets:
             return _budgets[key]
-    pipe = _residency_pipeline(device, DEFAULT_WORKGROUP_SIZE, BASE_SHARED_BYTES)
+    pipe = residency_pipeline(device, DEFAULT_WORKGROUP_SIZE, BASE_SHARED_BYTES)
     buf = device.memory.allocate(4 * SLOT_WORDS * 2, host_visible=True)
     try:
-        ns = _calibrate(device, pipe, buf)
+        ns = calibrate_spin(device, pipe, buf)
     finally:
         buf.close()
         pipe.close()
-    budget = _Budget(device.quirks.get("loop_iteration_cap"), ns, device.device_type == "cpu")
+    budget = SpinBudget(device.quirks.get("loop_iteration_cap"), ns, device.device_type == "cpu")
     with _lock:
         _budgets[key] = budget
     return budget

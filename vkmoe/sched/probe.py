@@ -88,7 +88,7 @@ def default_variants(device):
     return variants
 
 
-class _Budget:
+class SpinBudget:
     """Iteration bounds for the shaders. With a loop cap every invocation's total stays below it; without one
     the bounds come from the calibrated time per spin iteration."""
 
@@ -153,7 +153,7 @@ def _run_zeroed(device, pipe, buffer_words, record, timeout, timestamps=0):
     return words, stamps, wall
 
 
-def _calibrate(device, pipe, buf):
+def calibrate_spin(device, pipe, buf):
     """Nanoseconds per spin-loop iteration of one workgroup (timestamps, difference of two lengths). `buf`: two
     measurement slots of scratch."""
     dset = pipe.bind(buf)
@@ -188,7 +188,8 @@ def _calibrate(device, pipe, buf):
     return max(ns, 1e-3)
 
 
-def _residency_pipeline(device, wg, shared_bytes):
+def residency_pipeline(device, wg, shared_bytes):
+    """The stand-in residency pipeline: `wg` invocations per workgroup and about `shared_bytes` of shared memory."""
     words = max(16, (shared_bytes - SYNC_SHARED_BYTES) // 4)
     return Pipeline(device, "probe_residency", push=_ResidencyPush,
                     spec={SPEC_PROBE_WORKGROUP_SIZE: wg, SPEC_PROBE_SHARED_WORDS: words})
@@ -389,14 +390,14 @@ def probe_residency(device=None, variants=None, progress=False, repeats=5, round
         bar.step("device + quirks")
         cu = dev.compute_units
         launched = min(MAX_LAUNCH, max(64, 4 * (cu or 16)), int(dev.limits.maxComputeWorkGroupCount[0]))
-        pipes = [_residency_pipeline(dev, wg, smem) for wg, smem in variants]
+        pipes = [residency_pipeline(dev, wg, smem) for wg, smem in variants]
         try:
             cal_buf = dev.memory.allocate(4 * SLOT_WORDS * 2, host_visible=True)
             try:
-                ns = _calibrate(dev, pipes[0], cal_buf)
+                ns = calibrate_spin(dev, pipes[0], cal_buf)
             finally:
                 cal_buf.close()
-            budget = _Budget(cap, ns, dev.device_type == "cpu")
+            budget = SpinBudget(cap, ns, dev.device_type == "cpu")
             bar.step("calibrated spin")
             out_variants = _check_variants(dev, variants, pipes, budget, repeats, launched, rounds, cu, timeout,
                                            force_fail, bar)
