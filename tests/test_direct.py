@@ -14,6 +14,9 @@ from vkmoe import layout
 from vkmoe.ops import plan as ops_plan
 
 SPLITS = "2,2"  # both layers of a comparison must share their k-splits (the bits depend on them)
+# golden layers whose routed persistent launch is checked too: two calls (m = 3 and 1), mixed bit widths under
+# each codebook, gateless relu2
+ROUTED_PERSISTENT = {"a_tiny_silu_k4.npz", "b_mixed_bits_g3u4d5.npz", "k_mcg_mixed_g5u3d6.npz", "d_relu2_gateless_k4.npz"}
 
 
 def _bits(a):
@@ -53,9 +56,11 @@ def test_direct_mode_gives_the_routed_bits(device, monkeypatch, path):
                 _first_call(monkeypatch, moe, setting, -call["x"], other, call["weights"])
             want = _run(routed, call, "split", "off")
             # direct persistent == direct split is test_persistent.py's golden test (auto runs these calls direct);
-            # here: direct split == routed split == routed persistent
+            # here: direct split == routed split, and routed persistent too on a few layers (each is one more
+            # compile of the largest shader, slow on lavapipe)
             assert np.array_equal(_bits(_run(direct, call, "split", "on")), _bits(want)), f"direct{call['suffix']}"
-            assert np.array_equal(_bits(_run(routed, call, "persistent", "off")), _bits(want)), call["suffix"]
+            if os.path.basename(path) in ROUTED_PERSISTENT:
+                assert np.array_equal(_bits(_run(routed, call, "persistent", "off")), _bits(want)), call["suffix"]
             ref = reference_targets(L, call)[0][1]
             assert rel_rms(want, ref) < 3e-3
     finally:
@@ -132,3 +137,7 @@ def test_plan_chooses_direct_mode_for_small_batches_with_short_items(device, mon
     big = plan(64, deepseek)
     assert big.direct and big.kt_gu <= layout.DIRECT_MAX_KT and big.splits_gu * big.kt_gu >= 7168 // 16
     assert big.splits_gu == 2
+
+
+def test_routed_persistent_layers_exist():
+    assert ROUTED_PERSISTENT <= {os.path.basename(p) for p in golden_files()}
