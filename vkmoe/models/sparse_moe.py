@@ -25,6 +25,21 @@ from .checkpoint import Checkpoint
 from .config import NORM_ROLES, CheckpointError, MissingTensorError, MoeConfig
 from .routing import router_logits, sigmoid_group_topk, softmax_topk, sqrtsp_hash, sqrtsp_topk
 
+# Checked on every call: dtype objects compare faster than a dtype with numpy scalar types (no conversion).
+_HIDDEN_DTYPES = tuple(map(np.dtype, (np.float16, np.float32, np.float64)))
+_DeviceArray = None
+
+
+def _device_array_class():
+    """vkmoe.ops.device_array.DeviceArray, imported on first use: the numpy path (and the CPU backend) must not need
+    the Vulkan layer. Kept after that: a function-level import costs ~0.5 us, and the device path asks on every call."""
+    global _DeviceArray
+    if _DeviceArray is None:
+        from ..ops.device_array import DeviceArray
+        _DeviceArray = DeviceArray
+    return _DeviceArray
+
+
 __all__ = ["SparseMoeBlock", "block_reference", "load_block_tensors"]
 
 _PROJS = ("gate", "up", "down")
@@ -168,7 +183,7 @@ class SparseMoeBlock:
         H = self.config.hidden_size
         if h.ndim != 2 or h.shape[1] != H:
             raise ValueError(f"hidden: expected shape (m, {H}), got {h.shape}")
-        if h.dtype not in (np.float16, np.float32, np.float64):
+        if h.dtype not in _HIDDEN_DTYPES:
             raise TypeError(f"hidden: expected float16, float32 or float64, got dtype {h.dtype}")
         return h
 
@@ -274,15 +289,12 @@ class SparseMoeBlock:
         """The host path (CPU backend) takes and returns numpy only."""
         what = "out" if out is not None else None
         if what is None and not isinstance(hidden, np.ndarray):
-            # Imported only here: the numpy path (and the CPU backend) must not need the Vulkan layer.
-            from ..ops.device_array import DeviceArray
-            what = "a DeviceArray hidden" if isinstance(hidden, DeviceArray) else None
+            what = "a DeviceArray hidden" if isinstance(hidden, _device_array_class()) else None
         if what is not None:
             raise ValueError(f"{what} needs the vulkan backend; this block runs on {self.backend!r}")
 
     def _device_call(self, hidden, input_ids, out, residual):
-        from ..ops.device_array import DeviceArray
-
+        DeviceArray = _device_array_class()
         if not isinstance(hidden, DeviceArray):
             hidden = self._check_hidden(hidden)
             if hidden.dtype == np.float64:
@@ -302,11 +314,9 @@ class SparseMoeBlock:
     def _device_tokens(self, input_ids, m):
         """input_ids as the device router takes them: None (not a hash layer), a DeviceArray (m,) int32 (ids
         outside the table route nowhere: ids -1, weight 0) or checked numpy int32."""
-        from ..ops.device_array import DeviceArray
-
         if self.router != "sqrtsp_hash":
             return None
-        if isinstance(input_ids, DeviceArray):
+        if isinstance(input_ids, _device_array_class()):
             return input_ids
         self._hash_ids(input_ids, m)  # the checks, with their messages
         return np.ascontiguousarray(input_ids, dtype=np.int32)
@@ -316,8 +326,7 @@ class SparseMoeBlock:
         (m, H) float32 DeviceArrays of this block's device, input_ids an (m,) int32 DeviceArray for a hash
         layer, residual an (m, H) float16/float32 DeviceArray for Gemma 4. Ends with a barrier, so the next block
         may read `out`. Returns the descriptor sets the commands use (free them when the recording is dropped)."""
-        from ..ops.device_array import DeviceArray
-
+        DeviceArray = _device_array_class()
         if self.device_block is None:
             raise ValueError(f"record() needs the whole block on a Vulkan device; it runs on {self.backend!r}")
         named = [("hidden", hidden), ("out", out)] + ([("residual", residual)] if self.norms is not None else [])

@@ -153,16 +153,17 @@ class CallTransfers:
         self._recorded = {}  # slot -> the copies it holds now: re-recorded only when they change
 
     def submit(self, rec, copies_in=(), copies_out=()):
-        """Submit `rec` with the copies (src Buffer, dst Buffer, nbytes) and wait. The first submission of a newly
-        recorded forward may include the driver's lazy compile of its pipelines (lavapipe compiles at the first
-        dispatch: 4.5 s for the tiny split layer on Mesa 25, over 60 s for a larger persistent one), which must not
-        be mistaken for a hung device: it may take up to occupancy.COMPILE_TIMEOUT_S in all; later submissions get
-        VKMOE_TIMEOUT."""
+        """Submit `rec` with the copies (src Buffer, dst Buffer, nbytes) and wait; the caller holds the device
+        (device.use(): the ops hold it around their mapped io buffers' writes and reads anyway). The first
+        submission of a newly recorded forward may include the driver's lazy compile of its pipelines (lavapipe
+        compiles at the first dispatch: 4.5 s for the tiny split layer on Mesa 25, over 60 s for a larger
+        persistent one), which must not be mistaken for a hung device: it may take up to
+        occupancy.COMPILE_TIMEOUT_S in all; later submissions get VKMOE_TIMEOUT."""
         before = [self._record("_before", copies_in, barrier_first=False)] if copies_in else []
         after = [self._record("_after", copies_out, barrier_first=True)] if copies_out else []
         first, start = rec.submissions == 0, time.monotonic()
         try:
-            rec.submit(wait=True, before=before, after=after)
+            rec.submit_held(wait=True, before=before, after=after)
         except TimeoutError:
             if not (first and rec.pending):
                 raise

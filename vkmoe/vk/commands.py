@@ -235,46 +235,51 @@ class CommandRecorder:
         """Submit the recorded buffer, with the recorded buffers of the recorders in `before` and `after`
         around it in the same vkQueueSubmit (one submission, one fence: this recorder's). Submission order
         spans the buffers, so barriers recorded in one order the commands of the others."""
+        # One hold of the device for the submission and the wait: close() waits for both.
+        with self.device.use():
+            return self.submit_held(wait, timeout, before, after)
+
+    def submit_held(self, wait=True, timeout=None, before=(), after=()):
+        """submit() for a caller that holds device.use() around it already (an op's call, which holds it for
+        its mapped io buffers anyway): each re-entry of use() costs about a microsecond, and this runs on every
+        op call."""
         global _submissions
         dev = self.device
-        # One hold of the device for the submission and the wait: close() waits for both (each re-entry of
-        # use() costs about a microsecond, and this runs on every op call).
-        with dev.use():
-            self._check_open()
-            if not self._recorded:
-                raise VkmoeError("submit() needs a recorded command buffer (begin() ... end())")
-            riders = (*before, None, *after) if before or after else ()  # None: this buffer's place
-            for r in riders:
-                if r is None:
-                    continue
-                if not r._recorded or r.device is not dev or r.handle is None:
-                    raise VkmoeError("submit(before=, after=) takes recorded CommandRecorders of the same device")
-                r._wait_for_carrier()
-            if self._pending:
-                self._wait(timeout)
-            self._settle_gpu_time()
-            if not riders:
-                handles = self._own_buffers
-            elif riders == self._rider_key:  # an op's call: the same transfer recorders every time
-                handles = self._rider_handles
-            else:
-                handles = ffi.new("VkCommandBuffer[]", [r.handle for r in before] + [self.handle]
-                                  + [r.handle for r in after])
-                self._rider_key, self._rider_handles = (*before, None, *after), handles
-            info = self._submit_info
-            info.commandBufferCount = len(riders) or 1
-            info.pCommandBuffers = handles
-            with dev._lock:
-                check("vkResetFences", vk.lib.vkResetFences(dev.handle, 1, self._fences))
-                check("vkQueueSubmit", vk.lib.vkQueueSubmit(dev.queue, 1, info, self._fence))
-                _submissions += 1
-            self._pending = True
-            self.submissions += 1
-            for r in riders:
-                if r is not None:
-                    r._riding_on = self
-            if wait:
-                self._wait(timeout)
+        self._check_open()
+        if not self._recorded:
+            raise VkmoeError("submit() needs a recorded command buffer (begin() ... end())")
+        riders = (*before, None, *after) if before or after else ()  # None: this buffer's place
+        for r in riders:
+            if r is None:
+                continue
+            if not r._recorded or r.device is not dev or r.handle is None:
+                raise VkmoeError("submit(before=, after=) takes recorded CommandRecorders of the same device")
+            r._wait_for_carrier()
+        if self._pending:
+            self._wait(timeout)
+        self._settle_gpu_time()
+        if not riders:
+            handles = self._own_buffers
+        elif riders == self._rider_key:  # an op's call: the same transfer recorders every time
+            handles = self._rider_handles
+        else:
+            handles = ffi.new("VkCommandBuffer[]", [r.handle for r in before] + [self.handle]
+                              + [r.handle for r in after])
+            self._rider_key, self._rider_handles = (*before, None, *after), handles
+        info = self._submit_info
+        info.commandBufferCount = len(riders) or 1
+        info.pCommandBuffers = handles
+        with dev._lock:
+            check("vkResetFences", vk.lib.vkResetFences(dev.handle, 1, self._fences))
+            check("vkQueueSubmit", vk.lib.vkQueueSubmit(dev.queue, 1, info, self._fence))
+            _submissions += 1
+        self._pending = True
+        self.submissions += 1
+        for r in riders:
+            if r is not None:
+                r._riding_on = self
+        if wait:
+            self._wait(timeout)
         return self
 
     def _wait_for_carrier(self):

@@ -1,5 +1,6 @@
 """Device: instance, physical-device choice, logical device with the features vkmoe's shaders use, one compute
 queue, and the capability report (`info()`)."""
+import functools
 import logging
 import os
 import threading
@@ -460,9 +461,10 @@ class Device:
             self._quirks = detect_quirks(self)
         return self._quirks
 
-    @property
+    @functools.cached_property
     def identity(self):
-        """A key naming this driver + device, for caches of measurements."""
+        """A key naming this driver + device, for caches of measurements (made once: what it names never changes,
+        and auto mode's residency lookup uses it on every MoE call)."""
         return f"{self.name}|{self.driver_name}|{self.driver_info}|{self.driver_version:#x}|{self.vendor_id:#x}:{self.device_id:#x}"
 
     def info(self) -> dict:
