@@ -184,3 +184,29 @@ def test_router_at_the_size_limits(device):
     ids64, w64 = sigmoid_group_topk(router_logits(x, w, np.float64), bias, 8, 16, 4, True, 2.5)
     assert np.array_equal(ids, ids64)
     np.testing.assert_allclose(wts, w64, rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("kind", ["float16", "bfloat16", "float32"])
+def test_router_gemv_over_several_rounds_of_loads(device, kind):
+    """H = 9224: one full round of ROUTER_PASSES_IN_FLIGHT passes over H (8192 columns), then a partial pass and
+    a ragged end, for every weight kind, fp16 and fp32 hidden: the selection equals the float64 reference's."""
+    rng = np.random.default_rng(41)
+    E_small, H_long = 10, 9224  # 3 GEMV workgroups, the last with 2 experts
+    w = (rng.standard_normal((E_small, H_long)) / 96).astype(np.float32)
+    if kind == "bfloat16":
+        w = (w.view(np.uint32) & 0xFFFF0000).view(np.float32)
+    elif kind == "float16":
+        w = w.astype(np.float16)
+    elif kind == "float32":
+        w = w + np.float32(1e-7)  # not representable in bf16 or fp16: stays fp32
+    assert weight_words(w)[1] == kind
+    for x_dtype in (np.float16, np.float32):
+        x = rng.standard_normal((3, H_long)).astype(x_dtype)
+        router = DeviceRouter(device, "std", w, 4, norm=True)
+        try:
+            ids, wts = router(x)
+        finally:
+            router.close()
+        ids64, w64 = softmax_topk(router_logits(x, w, np.float64), 4, True)
+        assert np.array_equal(ids, ids64), (kind, x_dtype)
+        np.testing.assert_allclose(wts, w64, rtol=2e-5, atol=1e-6)
