@@ -276,12 +276,17 @@ def test_gemma4_config_errors():
         MoeConfig.from_dict({k: v for k, v in cfg.items() if k != "text_config"})
 
 
-def test_gemma4_missing_norm_names_key(tmp_path):
-    key = "model.language_model.layers.0.post_feedforward_layernorm_1.weight"
-    d = write_checkpoint(str(tmp_path / "g"), arch="gemma4", hidden=128, intermediate=128, experts=2, top_k=1,
-                         omit=[key])
-    with pytest.raises(MissingTensorError, match=key.replace(".", r"\.") + ".*shared_out RMSNorm"):
+def _load_without(tmp_path, arch, key, why, experts, top_k):
+    """A checkpoint of `arch` written without tensor `key` fails to load with an error naming the key and `why`."""
+    d = write_checkpoint(str(tmp_path / arch), arch=arch, hidden=128, intermediate=128, experts=experts,
+                         top_k=top_k, omit=[key])
+    with pytest.raises(MissingTensorError, match=key.replace(".", r"\.") + ".*" + why):
         SparseMoeBlock.from_checkpoint(d, 0, backend="cpu")
+
+
+def test_gemma4_missing_norm_names_key(tmp_path):
+    _load_without(tmp_path, "gemma4", "model.language_model.layers.0.post_feedforward_layernorm_1.weight",
+                  "shared_out RMSNorm", experts=2, top_k=1)
 
 
 def test_laguna_interm_div_is_exact(ckpts):
@@ -454,11 +459,8 @@ def test_bias_flag_turns_the_selection_bias_on_and_off(tmp_path):
     ids, _ = block.route(hidden)
     logits = router_logits(hidden.astype(np.float64), block.router_weight.astype(np.float64), np.float64)
     assert np.array_equal(np.sort(ids, -1), np.sort(np.argsort(-logits, -1)[:, :2], -1))  # raw scores select
-    key = "model.layers.0.mlp.expert_bias"
-    d = write_checkpoint(str(tmp_path / "hy"), arch="hy_v3", hidden=128, intermediate=128, experts=4, top_k=2,
-                         omit=[key])
-    with pytest.raises(MissingTensorError, match=key.replace(".", r"\.") + ".*moe_router_enable_expert_bias=true"):
-        SparseMoeBlock.from_checkpoint(d, 0, backend="cpu")
+    _load_without(tmp_path, "hy_v3", "model.layers.0.mlp.expert_bias", "moe_router_enable_expert_bias=true",
+                  experts=4, top_k=2)
 
 
 def test_step3p7_reads_text_config(ckpts):
