@@ -26,7 +26,6 @@ layout(std430, binding = 5) nonprivate buffer Partial { float partial[]; };   //
 layout(std430, binding = 6) nonprivate buffer Counters { uint counters[]; };  // one per (row chunk, band), start at 0
 layout(push_constant) uniform Push { uint m; uint k; uint n; uint splits; uint kt_per_split; } pc;
 
-uint gemm_a_word(const int src, uint index) { return xh[index]; }
 uint gemm_b_word(int src, uint index) { return trellis[index]; }
 uvec4 gemm_a_word4(const int src, uint index) { return xh4[index]; }
 uvec4 gemm_b_word4(int src, uint index) { return trellis4[index]; }

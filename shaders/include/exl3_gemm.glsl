@@ -8,9 +8,9 @@
 //
 // The including shader defines, before including:
 //   GEMM_ROWS            max rows per pass (a specialization constant; 1..16)
-//   uint gemm_a_word(const int src, uint index)      packed fp16 pair of A (two consecutive k of one row)
+//   uvec4 gemm_a_word4(const int src, uint index4)   4 packed fp16 pairs of A (pairs of consecutive k of one row)
 //   uint gemm_b_word(const int src, uint index)      trellis word
-//   uvec4 gemm_a_word4 / gemm_b_word4(src, index4)   the same memory, 16 bytes at a time
+//   uvec4 gemm_b_word4(src, index4)                  the trellis, 16 bytes at a time
 // (a prototype is enough: the MoE defines gemm_a_word4 after this file, reading gemm_red for one of its sources)
 // and includes exl3_decode.glsl first. Optional: GEMM_AFTER_PREFETCH(a_src), called by the whole workgroup once
 // the first weight tiles are requested and before A is read (the persistent MoE kernel waits for its inputs
