@@ -70,10 +70,12 @@ ROUTE_HEADER = 16
 ROUTE_CHUNK_WORDS = 3
 
 STAGE1_PAIRS_PER_ITEM = 2  # (row, 128-block) pairs per stage-1 work item
-# Direct mode: a gate/up item builds its A row for the 128-blocks holding its k-tiles in the GEMM core's 2048-word
-# reduction buffer (64 words per block, so at most 32 blocks); a k-range of DIRECT_MAX_KT tiles spans at most
-# DIRECT_MAX_KT / 8 + 1 blocks wherever it starts.
-DIRECT_MAX_KT = 8 * (2048 // 64 - 1)
+# The FMA GEMM core's shared reduction buffer (exl3_gemm.glsl's gemm_red): 4 k-slices x 4 rows x one band, in words.
+GEMM_RED_WORDS = 4 * 4 * BAND
+# Direct mode: a gate/up item builds its A row for the 128-blocks holding its k-tiles in that buffer (64 words per
+# block of packed fp16 pairs); a k-range of DIRECT_MAX_KT tiles spans at most DIRECT_MAX_KT / 8 + 1 blocks wherever
+# it starts.
+DIRECT_MAX_KT = 8 * (GEMM_RED_WORDS // (BAND // 2) - 1)
 
 # ------------------------------------------------------------------------ the device block (router, shared)
 # moe_router.comp's family (spec constant) and moe_block_elem.comp's operation (push constant `mode`)
@@ -221,6 +223,7 @@ def _defines():
     yield "ROUTE_HEADER", f"{ROUTE_HEADER}u"
     yield "ROUTE_CHUNK_WORDS", f"{ROUTE_CHUNK_WORDS}u"
     yield "STAGE1_PAIRS_PER_ITEM", f"{STAGE1_PAIRS_PER_ITEM}u"
+    yield "GEMM_RED_WORDS", f"{GEMM_RED_WORDS}u"
     for name, value in ROUTER_FAMILIES.items():
         yield f"ROUTER_{name.upper()}", f"{value}u"
     for name, value in ROUTER_WEIGHT_KINDS.items():

@@ -26,7 +26,7 @@
 // The k-slice partials of 4 rows as fp32 bits: gemm_red[(kslice * 4 + row) * 128 + column]. Words, not floats:
 // the MoE's direct mode (moe_stages.glsl) keeps a gate/up item's fp16 A row here while the GEMM runs (the
 // partials come after the last read of A), and packed fp16 pairs must not pass through float registers.
-#define GEMM_RED_WORDS (4u * 4u * 128u)
+// GEMM_RED_WORDS = 4 k-slices x 4 rows x 128 columns (vkmoe/layout.py, through the generated header).
 shared uint gemm_red[GEMM_RED_WORDS];
 
 // This invocation's accumulators: gemm_acc[r * 2 + c] for row r and its two columns c. A module-level array
