@@ -1,6 +1,6 @@
 #version 450
 // vkmoe-compiler: glslang
-// vkmoe-variants: wide=-DCOOP_WIDE idot=-DEXL3_IDOT idot_wide=-DEXL3_IDOT,-DCOOP_WIDE emulate=-DCOOP_EMULATE
+// vkmoe-variants: wide=-DCOOP_WIDE idot=-DEXL3_IDOT idot_wide=-DEXL3_IDOT,-DCOOP_WIDE emulate=-DCOOP_EMULATE emulate_sg2=-DCOOP_EMULATE,-DCOOP_SG_M=2u
 // EXL3 linear GEMM on cooperative matrices (exl3_gemm_coop.glsl), same contract as exl3_linear.comp: grid
 // (bands, k-splits, row tiles of COOP_BM rows); each workgroup stores its fp32 partial of a (row tile, band,
 // k-split), the last split of a band to arrive finishes it with the output Hadamard (linear_tail.glsl).
@@ -51,7 +51,7 @@ void main() {
     uint kt0 = split * pc.kt_per_split, kt1 = min(tiles_k, kt0 + pc.kt_per_split);
 
     coop_gemm(0, 0, K, 0u, row0, nr, pc.k, pc.n / 16u, band, kt0, kt1,
-              split * m_pad * pc.n + row0 * pc.n + band * BAND + COOP_NT * 16u, pc.n);
+              split * m_pad * pc.n + row0 * pc.n + band * BAND, pc.n);
 
     if (!wg_last_arrival(tile * (pc.n / BAND) + band, pc.splits))
         return;

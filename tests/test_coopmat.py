@@ -26,7 +26,7 @@ from vkmoe.vk.report import format_info
 TOL = 3e-3
 COOP_SPV = ["exl3_linear_coop", "exl3_linear_coop_wide", "exl3_linear_coop_idot", "exl3_linear_coop_idot_wide",
             "coopmat_probe", "moe_gate_up_coop", "moe_gate_up_coop_idot", "moe_down_coop", "moe_down_coop_idot"]
-EMULATE_SPV = ["exl3_linear_coop_emulate", "moe_gate_up_coop_emulate", "moe_down_coop_emulate"]
+EMULATE_SPV = ["exl3_linear_coop_emulate", "exl3_linear_coop_emulate_sg2", "moe_gate_up_coop_emulate", "moe_down_coop_emulate"]
 CAPABILITY_COOPERATIVE_MATRIX = 6022
 SHAPE = {"M": 16, "N": 16, "K": 16, "A": "float16", "B": "float16", "C": "float32", "result": "float32",
          "saturating": False, "scope": "subgroup"}
@@ -131,15 +131,17 @@ def test_forcing_coop_without_the_feature_raises(monkeypatch, device):
 
 
 # ------------------------------------------------------------------------------------------ the kernel's data flow
-@pytest.mark.parametrize("k, n, m, bits, codebook, bias", [
-    (256, 128, 64, 4, "mul1", False),    # one full row tile
-    (256, 256, 100, 3, "mcg", True),     # a partial second row tile, two bands, bias
-    (512, 128, 20, 5, "3inst", False),   # k-splits summed by the last arrival
+@pytest.mark.parametrize("k, n, m, bits, codebook, bias, build", [
+    (256, 128, 64, 4, "mul1", False, ""),    # one full row tile
+    (256, 256, 100, 3, "mcg", True, ""),     # a partial second row tile, two bands, bias
+    (512, 128, 20, 5, "3inst", False, ""),   # k-splits summed by the last arrival
+    (256, 256, 100, 4, "mul1", True, "_sg2"),  # the subgroup grid of the wide tile (2 x 4) on the narrow one
 ])
-def test_emulated_data_flow(monkeypatch, device, k, n, m, bits, codebook, bias):
+def test_emulated_data_flow(monkeypatch, device, k, n, m, bits, codebook, bias, build):
     monkeypatch.setattr(plan, "coop_unavailable", lambda d: None)
-    monkeypatch.setattr(kernels, "coop_linear_name", lambda d, rows: "exl3_linear_coop_emulate")
-    monkeypatch.setattr(plan, "coop_rows", lambda d, m: layout.COOP_ROWS_NARROW)  # the emulate build's tile
+    # (the wide tile needs more shared memory than lavapipe has: its 2 x 4 subgroup grid runs on the narrow one)
+    monkeypatch.setattr(kernels, "coop_linear_name", lambda d, r: "exl3_linear_coop_emulate" + build)
+    monkeypatch.setattr(plan, "coop_rows", lambda d, m: layout.COOP_ROWS_NARROW)  # the emulate builds' tile
     monkeypatch.setenv("VKMOE_COOPMAT", "on")
     t = vkmoe.random_exl3_tensor(k, n, bits=bits, codebook=codebook, seed=k + n + m)
     if bias:

@@ -175,10 +175,11 @@ def had_in_grid(m, k):
 
 
 def coop_shared_bytes(rows):
-    """Shared memory of exl3_linear_coop.comp with `rows` rows per tile: the decoded weights (k-step x band),
-    the A rows of the k-step (fp16, padded) and the tail's 4 Hadamard rows (fp32), plus the 16-byte arrival flag."""
-    kstep = COOP_KSTEP * TILE
-    return 2 * kstep * (BAND + COOP_PAD) + 2 * rows * (kstep + COOP_PAD) + 4 * 4 * BAND + 16
+    """Shared memory of exl3_linear_coop.comp with `rows` rows per tile: the decoded weights (a band of columns,
+    each a padded k-step of fp16), the A rows of the k-step (fp16, padded) and the tail's 4 Hadamard rows (fp32),
+    plus the 16-byte arrival flag."""
+    line = 2 * (COOP_KSTEP * TILE + COOP_PAD)  # bytes per shared line: one column of weights or one row of A
+    return BAND * line + rows * line + 4 * 4 * BAND + 16
 
 
 def coop_moe_shared_bytes():

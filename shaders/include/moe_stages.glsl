@@ -398,7 +398,7 @@ void moe_gate_up(uint item) {
     if (tid < COOP_BM) coop_row[tid] = proj * R() + moe_row_flat(p0 + min(tid, nr - 1u));
     barrier();
     coop_gemm(A_STATES, int(proj), k_bits, b_base, 0u, nr, pc.H, tiles_n, band, kt0, kt1,
-              base + q0 * pc.I + band * BAND + COOP_NT * 16u, pc.I);
+              base + q0 * pc.I + band * BAND, pc.I);
     bool last = wg_last_arrival(counter, arrivals);
 #else
     // Direct mode: the one row's A is built in gemm_red for whole 128-blocks from kt0's block on
@@ -500,7 +500,7 @@ void moe_down(uint item) {
     if (tid < COOP_BM) coop_row[tid] = p0 + min(tid, nr - 1u);  // inter rows are the chunk's sorted rows
     barrier();
     coop_gemm(A_INTER, 2, K_DOWN, b_base, 0u, nr, pc.I, tiles_n, band, kt0, kt1,
-              base + q0 * pc.H + band * BAND + COOP_NT * 16u, pc.H);
+              base + q0 * pc.H + band * BAND, pc.H);
     bool last = wg_last_arrival(counter, pc.splits_d);
 #else
     [[unroll]] for (int r = 0; r < GEMM_ROWS; ++r) gemm_row_base[r] = (p0 + uint(r)) * (pc.I / 2u);
