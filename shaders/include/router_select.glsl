@@ -2,7 +2,7 @@
 // token's fp32 logits, group-limited top-k (dots), top-k, normalisation, scales (vkmoe/models/routing.py is the
 // numpy twin of every step). Tie rule: equal selection scores pick the LOWER expert index (routing.py's stable
 // sort), equal group scores the lower group; slots come out in descending score order. The E loops are split
-// over the 256 invocations (E / 256 trips each), the top-k loop has top_k trips. Writes int32 ids (m, top_k) and
+// over the 256 invocations (E / 256 trips each); top-k ranks every expert against all E in one pass. Writes int32 ids (m, top_k) and
 // fp32 weights (m, top_k) for the routed experts; a hash token id outside the table gets ids -1, weight 0.
 //
 // Includer: declares FAMILY, logits[], bias[], expert_scale[], tid2eid[], input_ids[], ids_out[],
@@ -14,7 +14,6 @@ const uint NONE = 0xFFFFFFFFu;
 shared float s_score[ROUTE_MAX_EXPERTS];   // the weights' source: softmax / sigmoid / sqrt(softplus)
 shared float s_choice[ROUTE_MAX_EXPERTS];  // what selection ranks: score (+ bias), -inf outside kept groups
 shared float s_red[256];
-shared uint s_red_i[256];
 shared float s_group[ROUTER_MAX_GROUPS];
 shared uint s_sel[MAX_TOP_K];
 
@@ -106,30 +105,22 @@ void limit_groups(uint E) {
     barrier();
 }
 
-// top_k rounds of a workgroup argmax over the experts not taken yet (the tie rule at every level). Invocation tid
-// owns experts tid, tid + 256, ...: it marks its own taken ones itself, so a round needs one barrier (the
-// subgroup winners go to alternating halves of s_red / s_red_i: a round never overwrites what the last one read).
+// Top-k in one pass: every expert counts the experts that beat it under the tie rule; an expert whose count (its
+// rank) is below top_k takes slot `rank`. So slots come out in descending order with ties to the lower index, as
+// top_k rounds of an argmax would give them, for one barrier instead of top_k (~1 us each on the H200). A NaN
+// choice value beats nobody and is never taken, as in an argmax; a slot no expert reaches stays NONE. Invocation
+// tid ranks experts tid, tid + 256, ...: at most 4 x E <= 4096 comparisons (E <= ROUTE_MAX_EXPERTS), far below
+// Mesa 22.3's loop cap; every invocation loops E times (reads of one s_choice word at a time: broadcasts).
 void select_topk(uint E) {
-    uint tid = gl_LocalInvocationID.x, taken = 0u;  // bit j: expert tid + 256 j was chosen (E <= 256 * 32)
-    for (uint k = 0u; k < wg_uniform(pc.top_k); k++) {
-        float bv = -1.0 / 0.0; uint bi = NONE;
-        for (uint e0 = 0u, j = 0u; e0 < E; e0 += 256u, j++) {
-            uint e = e0 + tid;
-            if (e < E && (taken >> j & 1u) == 0u && better(s_choice[e], e, bv, bi)) {
-                bv = s_choice[e];
-                bi = e;
-            }
-        }
-        float sv = subgroupMax(bv);
-        uint si = subgroupMin(bv == sv ? bi : NONE);
-        uint half_ = (k & 1u) * 128u;  // at most 64 subgroups (device.py requires subgroups of >= 4)
-        if (subgroupElect()) { s_red[half_ + gl_SubgroupID] = sv; s_red_i[half_ + gl_SubgroupID] = si; }
-        barrier();
-        float v = s_red[half_]; uint i = s_red_i[half_];
-        for (uint g = 1u; g < gl_NumSubgroups; g++)
-            if (better(s_red[half_ + g], s_red_i[half_ + g], v, i)) { v = s_red[half_ + g]; i = s_red_i[half_ + g]; }
-        if (i != NONE && i % 256u == tid) taken |= 1u << (i / 256u);
-        if (tid == 0u) s_sel[k] = i;
+    uint tid = gl_LocalInvocationID.x, top_k = wg_uniform(pc.top_k);
+    if (tid < MAX_TOP_K) s_sel[tid] = NONE;
+    barrier();
+    for (uint e0 = 0u; e0 < E; e0 += 256u) {
+        uint e = min(e0 + tid, E - 1u);
+        float v = s_choice[e];
+        uint rank = 0u;
+        for (uint j = 0u; j < E; j++) rank += better(s_choice[j], j, v, e) ? 1u : 0u;
+        if (e0 + tid < E && !isnan(v) && rank < top_k) s_sel[rank] = e;
     }
     barrier();
 }
