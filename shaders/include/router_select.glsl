@@ -107,7 +107,7 @@ void limit_groups(uint E) {
 
 // Top-k in one pass: every expert counts the experts that beat it under the tie rule; an expert whose count (its
 // rank) is below top_k takes slot `rank`. So slots come out in descending order with ties to the lower index, as
-// top_k rounds of an argmax would give them, for one barrier instead of top_k (~1 us each on the H200). A NaN
+// top_k rounds of an argmax would give them, for one barrier instead of top_k. A NaN
 // choice value beats nobody and is never taken, as in an argmax; a slot no expert reaches stays NONE. Invocation
 // tid ranks experts tid, tid + 256, ...: at most 4 x E <= 4096 comparisons (E <= ROUTE_MAX_EXPERTS), far below
 // Mesa 22.3's loop cap; every invocation loops E times (reads of one s_choice word at a time: broadcasts).
