@@ -1,18 +1,23 @@
 """Pipeline statistics (VK_KHR_pipeline_executable_properties): Device(pipeline_statistics=True) /
-VKMOE_PIPELINE_STATISTICS and Pipeline.statistics(). Neither lavapipe offers the extension: there the clear error
-is checked, and the reading of the driver's arrays runs against an emulated driver; on a device that has it the
-real statistics are checked."""
+VKMOE_PIPELINE_STATISTICS, Pipeline.statistics(), and tools/pipeline_stats end to end. Neither lavapipe offers the
+extension: there the clear error is checked, and the reading of the driver's arrays runs against an emulated
+driver; on a device that has it the real statistics are checked."""
+import json
 import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
 import vulkan as vk
 
 import vkmoe
+from vkmoe.ops.plan import coop_moe_unavailable, coop_unavailable
 from vkmoe.vk import Pipeline, StatisticsUnavailableError, statistics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAXPY = os.path.join(ROOT, "tests", "_spv", "test_saxpy.spv")
+TOOL = os.path.join(ROOT, "tools", "pipeline_stats")
 ffi = vk.ffi
 
 
@@ -122,3 +127,46 @@ def test_device_with_statistics(dev, monkeypatch, how):
         assert stats and all(isinstance(v, dict) and v for v in stats.values()), stats
         assert all(isinstance(x, (bool, int, float)) for v in stats.values() for x in v.values())
         assert d.take_validation_messages() == []
+
+
+def _tool(dev, *args):
+    run = subprocess.run([sys.executable, TOOL, "--shape", "small", "--m", "1,64", "--coopmat", "off,on", *args],
+                         capture_output=True, text=True, env={**os.environ, "VKMOE_DEVICE": str(dev.index)}, timeout=600)
+    assert run.returncode == 0, run.stderr
+    return run.stdout
+
+
+def test_tool_end_to_end(dev):
+    doc = json.loads(_tool(dev, "--json", "-"))
+    assert doc["validation_messages"] == []
+    rows = doc["pipelines"]
+    off = {(r["m"], r["op"], r["stage"]): r["pipeline"] for r in rows if r["coopmat"] == "off"}
+    for m in (1, 64):
+        assert off[m, "linear", "had_in"] == "exl3_had_in"
+        assert off[m, "linear", "gemm H->I"].startswith("exl3_linear")
+        assert off[m, "moe split", "gate_up"].startswith("moe_gate_up")
+        assert off[m, "moe split", "down"].startswith("moe_down")
+        assert off[m, "moe persistent", "persistent"].startswith("moe_persistent")
+    assert off[64, "moe split", "route"] == "moe_route"  # m = 1 runs direct: no routing pass
+    assert (1, "moe split", "route") not in off
+    on = [r for r in rows if r["coopmat"] == "on"]
+    if coop_unavailable(dev) is None and coop_moe_unavailable(dev) is None:
+        assert {r["pipeline"].split("_idot")[0] for r in on} >= {"exl3_linear_coop", "moe_gate_up_coop", "moe_down_coop"}
+        assert not any(r["op"] == "moe persistent" for r in on)
+    else:
+        assert not on and len(doc["skipped"]) == 4
+        assert all("cooperative" in s["reason"] or "lacks" in s["reason"] for s in doc["skipped"])
+    if doc["statistics_supported"]:
+        assert all(r["executables"] for r in rows)
+    else:
+        assert "VK_KHR_pipeline_executable_properties" in doc["statistics_note"]
+        assert all(r["executables"] is None for r in rows)
+
+
+def test_tool_table(dev):
+    text = _tool(dev)
+    assert "shape small: H 512, I 256, E 16, top-4" in text
+    for name in ("exl3_had_in", "exl3_linear", "moe_route", "moe_gate_up", "moe_down", "moe_persistent"):
+        assert name in text
+    if statistics.unavailable(dev):
+        assert "NO STATISTICS (pipelines listed only)" in text and "VK_KHR_pipeline_executable_properties" in text
