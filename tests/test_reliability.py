@@ -441,6 +441,10 @@ CLI_USAGE_ERRORS = [
     ("check_decode", "--k", "100"),
     ("bench_cpu", "--m", "-1"),
     ("profile_moe", "--m", "0"),
+    ("pipeline_stats", "--m", "0"),
+    ("pipeline_stats", "--coopmat", "maybe"),
+    ("pipeline_stats", "--device", "7"),
+    ("pipeline_stats", "--json", "/nonexistent-dir/x.json"),
     ("make_exl3_moe_checkpoint", "--out", "UNDER_A_FILE/ckpt"),
 ]
 

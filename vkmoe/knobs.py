@@ -75,6 +75,7 @@ def _split_pair(text):
 KNOBS = {k.name: k for k in (
     Knob("VKMOE_DEVICE", None, "a device index or a substring of its name", _text),
     Knob("VKMOE_VALIDATION", False, "1/0 (or true/false, yes/no, on/off)", _flag),
+    Knob("VKMOE_PIPELINE_STATISTICS", False, "1/0 (or true/false, yes/no, on/off)", _flag),
     Knob("VKMOE_TIMEOUT", 60.0, "a positive number of seconds", _positive_float),
     Knob("VKMOE_CACHE_DIR", None, "a directory", _text),
     Knob("VKMOE_BACKEND", None, "a backend name (vulkan or cpu)", str.lower),

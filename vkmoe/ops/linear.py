@@ -41,6 +41,23 @@ def _check_x(x, k, device):
     return np.ascontiguousarray(x)
 
 
+def had_in_kernel(device):
+    """The input Hadamard's pipeline (exl3_had_in.comp)."""
+    return kernels.pipeline(device, "exl3_had_in", kernels.HadInPush)
+
+
+def gemm_kernel(device, plan, bits, codebook, has_bias):
+    """The GEMM pipeline of a linear with GEMM plan `plan` (ops.plan.GemmPlan): the cooperative-matrix build
+    with plan.coop, else exl3_linear.comp (its decode build for the device) with plan.rows rows per pass."""
+    spec = {layout.SPEC_LINEAR_K: bits, layout.SPEC_LINEAR_CB: layout.CODEBOOKS[codebook],
+            layout.SPEC_LINEAR_HAS_BIAS: has_bias}
+    if plan.coop:
+        spec[layout.SPEC_F16_FMA_FUSED] = kernels.f16_fma_fused(device)
+        return kernels.pipeline(device, kernels.coop_linear_name(device, plan.rows), kernels.LinearPush, spec)
+    spec[layout.SPEC_LINEAR_ROWS] = plan.rows
+    return kernels.pipeline(device, "exl3_linear", kernels.LinearPush, spec, decode=True)
+
+
 def _close_call(xb, yb, rec, sets=()):
     close_recording(rec, sets, (xb, yb))
 
@@ -141,20 +158,13 @@ class Exl3Linear:
         dev = self.device
 
         def had_in(cmd):
-            had = kernels.pipeline(dev, "exl3_had_in", kernels.HadInPush)
+            had = had_in_kernel(dev)
             dset = had.bind(x_buf, self._suh, xh)
             cmd.dispatch(had, dset, layout.had_in_grid(m, self.k), had.push(m=m, k=self.k))
             return dset
 
         def gemm(cmd):
-            spec = {layout.SPEC_LINEAR_K: self.bits, layout.SPEC_LINEAR_CB: layout.CODEBOOKS[self.codebook],
-                    layout.SPEC_LINEAR_HAS_BIAS: self.has_bias}
-            if plan.coop:
-                spec[layout.SPEC_F16_FMA_FUSED] = kernels.f16_fma_fused(dev)
-                pipe = kernels.pipeline(dev, kernels.coop_linear_name(dev, plan.rows), kernels.LinearPush, spec)
-            else:
-                spec[layout.SPEC_LINEAR_ROWS] = plan.rows
-                pipe = kernels.pipeline(dev, "exl3_linear", kernels.LinearPush, spec, decode=True)
+            pipe = gemm_kernel(dev, plan, self.bits, self.codebook, self.has_bias)
             dset = pipe.bind(xh, self._trellis, self._svh, self._bias, y_buf, partial, counters)
             cmd.dispatch(pipe, dset, layout.linear_grid(plan, self.n),
                          pipe.push(m=m, k=self.k, n=self.n, splits=plan.splits, kt_per_split=plan.kt_per_split))

@@ -47,6 +47,37 @@ class MoePush(PushConstants):
 
 
 
+def moe_spec(plan, bits, codebook, activation):
+    """The specialization constants of the MoE shaders for batch plan `plan` (ops.plan.MoePlan) of a layer with
+    `bits` {"gate", "up", "down"} (gate 0: gateless), `codebook` and `activation`."""
+    return {layout.SPEC_MOE_K_GATE: bits["gate"] or bits["up"], layout.SPEC_MOE_K_UP: bits["up"],
+            layout.SPEC_MOE_K_DOWN: bits["down"], layout.SPEC_MOE_CB: layout.CODEBOOKS[codebook],
+            layout.SPEC_MOE_ROWS: plan.rows, layout.SPEC_MOE_ACT: ACTIVATIONS[activation],
+            layout.SPEC_MOE_DIRECT: plan.direct}
+
+
+def split_kernels(device, plan, spec, H, I, gated):
+    """The split path's dispatches for `plan`, in order: [(stage, Pipeline, grid)] with stage "route", "gate_up"
+    and "down". Routing (workgroup 0) and stage 1 (the rest) share the first; direct mode (plan.direct) has no
+    routing pass. With plan.coop the GEMM stages run on cooperative matrices (their fp16 decode as the linear's
+    coop build)."""
+    grids = layout.split_grids(plan, H, I, gated)
+    if plan.coop:
+        coop_spec = {**spec, layout.SPEC_F16_FMA_FUSED: kernels.f16_fma_fused(device)}
+        shaders = (("moe_route", False, spec), (kernels.coop_moe_name(device, "gate_up"), False, coop_spec),
+                   (kernels.coop_moe_name(device, "down"), False, coop_spec))
+    else:
+        shaders = (("moe_route", False, spec), ("moe_gate_up", True, spec), ("moe_down", True, spec))
+    return [(stage, kernels.pipeline(device, shader, MoePush, s, decode=decode, binding_count=MOE_BINDINGS), grid)
+            for stage, (shader, decode, s), grid in zip(("route", "gate_up", "down"), shaders, grids)
+            if grid is not None]
+
+
+def persistent_kernel(device, spec):
+    """The persistent kernel's pipeline (the whole forward in one dispatch) for MoE specialization `spec`."""
+    return kernels.pipeline(device, "moe_persistent", MoePush, spec, decode=True, binding_count=MOE_BINDINGS)
+
+
 def _check_experts(name, tensors, k, n, allow_none=False):
     if tensors is None:
         if allow_none:
@@ -358,10 +389,7 @@ class Exl3MoeMlp:
 
     # ----------------------------------------------------------------------------------------- recording
     def _spec(self, plan):
-        return {layout.SPEC_MOE_K_GATE: self.bits["gate"] or self.bits["up"], layout.SPEC_MOE_K_UP: self.bits["up"],
-                layout.SPEC_MOE_K_DOWN: self.bits["down"], layout.SPEC_MOE_CB: layout.CODEBOOKS[self.codebook],
-                layout.SPEC_MOE_ROWS: plan.rows, layout.SPEC_MOE_ACT: ACTIVATIONS[self.activation],
-                layout.SPEC_MOE_DIRECT: plan.direct}
+        return moe_spec(plan, self.bits, self.codebook, self.activation)
 
     def _scratch_for(self, m, top_k):
         """The scratch of batch shape (m, top_k), made on first use. A server sees every m, so a new shape first
@@ -406,25 +434,18 @@ class Exl3MoeMlp:
         """The split dispatches, each a function(cmd) -> descriptor set recording one dispatch (no barrier); a
         barrier must follow each. Routing (workgroup 0) and stage 1 (the rest) share the first; direct mode
         (plan.direct) has no routing pass, only the gate/up and down dispatches."""
-        plan, dev = scratch.plan, self.device
-        spec, push = self._spec(plan), self._push(plan)
-        grids = layout.split_grids(plan, self.H, self.I, self.gated)
+        plan = scratch.plan
+        push = self._push(plan)
 
-        def stage(shader, decode, grid, spec=spec):
+        def stage(pipe, grid):
             def run(cmd):
-                pipe = kernels.pipeline(dev, shader, MoePush, spec, decode=decode, binding_count=MOE_BINDINGS)
                 dset = pipe.bind(*buffers)
                 cmd.dispatch(pipe, dset, grid, push)
                 return dset
             return run
 
-        if plan.coop:  # the GEMM stages on cooperative matrices; their fp16 decode as the linear's coop build
-            coop_spec = {**spec, layout.SPEC_F16_FMA_FUSED: kernels.f16_fma_fused(dev)}
-            return [stage("moe_route", False, grids[0]),
-                    stage(kernels.coop_moe_name(dev, "gate_up"), False, grids[1], coop_spec),
-                    stage(kernels.coop_moe_name(dev, "down"), False, grids[2], coop_spec)]
-        return [stage(name, decode, grid) for (name, decode), grid in
-                zip((("moe_route", False), ("moe_gate_up", True), ("moe_down", True)), grids) if grid is not None]
+        return [stage(pipe, grid) for _, pipe, grid in
+                split_kernels(self.device, plan, self._spec(plan), self.H, self.I, self.gated)]
 
     def _record_split(self, cmd, scratch, buffers):
         sets = []
@@ -434,8 +455,7 @@ class Exl3MoeMlp:
         return sets
 
     def _persistent_pipeline(self, plan):
-        return kernels.pipeline(self.device, "moe_persistent", MoePush, self._spec(plan), decode=True,
-                                binding_count=MOE_BINDINGS)
+        return persistent_kernel(self.device, self._spec(plan))
 
     def co_resident(self, plan):
         """How many workgroups of the persistent pipeline for this batch plan the device keeps resident at once,

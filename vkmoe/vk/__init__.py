@@ -11,7 +11,8 @@ from .commands import CommandRecorder, GpuTime  # noqa: E402
 from .device import Device, list_devices  # noqa: E402
 from .memory import Buffer  # noqa: E402
 from .pipeline import Pipeline, PushConstants  # noqa: E402
+from .statistics import StatisticsUnavailableError  # noqa: E402
 
 __all__ = ["Device", "list_devices", "Buffer", "Pipeline", "PushConstants", "CommandRecorder", "GpuTime",
            "VkmoeError", "VulkanError", "TimeoutError", "ValidationError", "DeviceSelectionError", "NoVulkanError",
-           "DeviceClosedError"]
+           "DeviceClosedError", "StatisticsUnavailableError"]

@@ -8,6 +8,7 @@ import threading
 import vulkan as vk
 
 from .. import knobs
+from . import statistics
 from .errors import (VULKAN_INSTALL_HINT, DeviceClosedError, DeviceSelectionError, NoVulkanError, ValidationError,
                      VkmoeError, VulkanError, call, check)
 
@@ -217,9 +218,14 @@ class Device:
     `selector` (or the VKMOE_DEVICE environment variable) is a device index or a substring of its name.
     Use as a context manager or call close(); buffers and pipelines made from it must be closed first
     (close() does it for the objects it still tracks).
+
+    `pipeline_statistics` (default: VKMOE_PIPELINE_STATISTICS, off) enables VK_KHR_pipeline_executable_properties,
+    and its pipelines capture what the driver reports about them (`Pipeline.statistics()`); capturing may change
+    how the driver compiles, so it is only for tuning. A device without the extension raises
+    vkmoe.vk.statistics.StatisticsUnavailableError then.
     """
 
-    def __init__(self, selector: "int | str | None" = None):
+    def __init__(self, selector: "int | str | None" = None, pipeline_statistics: "bool | None" = None):
         self._closed = True
         self._handle_alive = False
         # Calls into the driver in progress (`use()`); close() waits for them, so another thread's forward
@@ -234,6 +240,14 @@ class Device:
         self.index, self.physical, self.name, device_type = _select(self.instance.physical_devices(), selector)
         self.device_type = _DEVICE_TYPE_NAME.get(device_type, "other")
         self._query_capabilities()
+        if pipeline_statistics is None:
+            pipeline_statistics = knobs.get("VKMOE_PIPELINE_STATISTICS")
+        self.pipeline_statistics = bool(pipeline_statistics)  # pipelines capture statistics (Pipeline.statistics)
+        missing = statistics.unavailable(self) if self.pipeline_statistics else None
+        if missing:
+            raise statistics.StatisticsUnavailableError(
+                f"pipeline statistics were requested (Device(pipeline_statistics=True) or "
+                f"VKMOE_PIPELINE_STATISTICS=1), but {missing}")
         self._create_logical_device()
         self._closed = False
         self._handle_alive = True
@@ -353,6 +367,7 @@ class Device:
             "computeFullSubgroups": bool(f13 and f13.computeFullSubgroups),
             "shaderIntegerDotProduct": bool(f13 and f13.shaderIntegerDotProduct),
             "cooperativeMatrix": self._query_cooperative_matrix(),
+            statistics.FEATURE: statistics.query_feature(pd, self.extensions),
         }
 
     def _query_cooperative_matrix(self):
@@ -412,14 +427,17 @@ class Device:
         f12.hostQueryReset = f["hostQueryReset"]
         f11 = _new_struct("VkPhysicalDeviceVulkan11Features", vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_FEATURES, f12)
         f11.storageBuffer16BitAccess = f["storageBuffer16BitAccess"]
-        extensions = []
+        extensions, chain = [], [f11]  # extension feature structs go in front of the core ones
         if f["cooperativeMatrix"]:
             coop = _new_struct("VkPhysicalDeviceCooperativeMatrixFeaturesKHR",
-                               vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_KHR, f11)
+                               vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_KHR, chain[-1])
             coop.cooperativeMatrix = 1
+            chain.append(coop)
             extensions.append("VK_KHR_cooperative_matrix")
-        f2 = _new_struct("VkPhysicalDeviceFeatures2", vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2,
-                         coop if extensions else f11)
+        if self.pipeline_statistics:
+            chain.append(statistics.new_feature_struct(chain[-1], enable=True))
+            extensions.append(statistics.EXTENSION)
+        f2 = _new_struct("VkPhysicalDeviceFeatures2", vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2, chain[-1])
         f2.features.shaderInt16 = f["shaderInt16"]
         f2.features.shaderInt64 = f["shaderInt64"]
         priorities = ffi.new("float[1]", [1.0])
@@ -496,6 +514,7 @@ class Device:
             "cooperative_matrix_shapes": list(self.cooperative_matrix_shapes),
             "integer_dot_product_accelerated": self.dot_product_accelerated,
             "validation": self.validation,
+            "pipeline_statistics": self.pipeline_statistics,
             "quirks": dict(self.quirks),
         }
 

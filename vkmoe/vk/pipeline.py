@@ -14,6 +14,7 @@ import vulkan as vk
 
 from . import spirv
 from .errors import VkmoeError, call, check
+from .statistics import pipeline_statistics
 
 ffi = vk.ffi
 SPV_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_spv")
@@ -182,12 +183,24 @@ class Pipeline:
             keep.append(req)
         info = ffi.new("VkComputePipelineCreateInfo*")
         info.sType = vk.VK_STRUCTURE_TYPE_COMPUTE_PIPELINE_CREATE_INFO
+        if self.device.pipeline_statistics:  # the device was opened to capture them (Pipeline.statistics)
+            info.flags = vk.VK_PIPELINE_CREATE_CAPTURE_STATISTICS_BIT_KHR
         info.stage = stage[0]
         info.layout = self.layout
         out = ffi.new("VkPipeline*")
         result = vk.lib.vkCreateComputePipelines(self.device.handle, ffi.NULL, 1, info, ffi.NULL, out)
         check("vkCreateComputePipelines", result)
         self.handle = out[0]
+
+    def statistics(self):
+        """What the driver reports about this pipeline's compiled code: {executable name: {statistic: value}}
+        (e.g. NVIDIA's "Register Count", "Shared Memory Size"), through VK_KHR_pipeline_executable_properties.
+        Needs a device opened with pipeline_statistics=True; raises vkmoe.vk.statistics.StatisticsUnavailableError
+        naming what is missing otherwise."""
+        with self.device.use():
+            if self.handle is None:
+                raise VkmoeError(f"{self.name}: the pipeline is closed")
+            return pipeline_statistics(self.device, self.handle, self.name)
 
     def push(self, **values):
         if self.push_type is None:
