@@ -159,8 +159,7 @@ class CallTransfers:
         compiles at the first dispatch: 4.5 s for the tiny split layer on Mesa 25, over 60 s for a larger
         persistent one), which must not be mistaken for a hung device: it may take up to
         occupancy.COMPILE_TIMEOUT_S in all; later submissions get VKMOE_TIMEOUT."""
-        before = [self._record("_before", copies_in, barrier_first=False)] if copies_in else []
-        after = [self._record("_after", copies_out, barrier_first=True)] if copies_out else []
+        before, after = self.riders(copies_in, copies_out)
         first, start = rec.submissions == 0, time.monotonic()
         try:
             rec.submit_held(wait=True, before=before, after=after)
@@ -173,6 +172,13 @@ class CallTransfers:
                 raise TimeoutError(f"the first run of a newly recorded forward (which may include the driver's "
                                    f"shader compile) did not finish within {COMPILE_TIMEOUT_S} s; the device may be "
                                    "hung and should be recreated") from None
+
+    def riders(self, copies_in=(), copies_out=()):
+        """(before, after): the lists of recorders holding the copies, to submit around the op's buffer (recorded
+        again only when the copies changed)."""
+        before = [self._record("_before", copies_in, barrier_first=False)] if copies_in else []
+        after = [self._record("_after", copies_out, barrier_first=True)] if copies_out else []
+        return before, after
 
     def _record(self, slot, copies, barrier_first):
         # The memory blocks themselves are in the key (not their ids): the key keeps them alive, so a block

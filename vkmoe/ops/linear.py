@@ -15,6 +15,7 @@ from . import kernels
 from .device_array import CallTransfers, DeviceArray, close_recording, last_gpu_ms, resolve_out
 from .host_arrays import describe, host_array, out_dtype_of
 from .plan import gemm_plan
+from .recorded_call import RecordedCall
 
 from typing import TYPE_CHECKING
 
@@ -22,6 +23,7 @@ if TYPE_CHECKING:  # names used in type hints only
     from ..vk import Buffer, Device
 
 FP16_MAX = 65504.0
+_F16 = np.dtype(np.float16)
 
 
 def _check_x(x, k, device):
@@ -41,8 +43,8 @@ def _check_x(x, k, device):
     return np.ascontiguousarray(x)
 
 
-def _close_call(xb, yb, rec, sets=()):
-    close_recording(rec, sets, (xb, yb))
+def _close_call(xb, yb, call, sets=()):
+    close_recording(call.rec, sets, (xb, yb))
 
 
 def _release_linear(io, sets, scratch, owned):
@@ -183,26 +185,21 @@ class Exl3Linear:
         if m == 0:
             return np.zeros((0, self.n), dtype) if target is None else target
         with self._call_lock:
-            xb, yb, rec = self._call_buffers(m)
-            copies_in = [(x.buffer, xb, x.nbytes)] if isinstance(x, DeviceArray) else ()
-            copies_out = [(yb, target.buffer, target.nbytes)] if target is not None else ()
-            # x and y are mapped: written and read through kept numpy views, under one hold of the device (a
-            # closed device's memory is unmapped; close() waits for this block instead)
+            call = self._call_buffers(m)[2]
+            # x and y are mapped: written and read under one hold of the device (a closed device's memory is
+            # unmapped; close() waits for this block instead)
             with self.device.use():
-                if not copies_in:
-                    xb.host_view(np.float16, (m, self.k))[...] = x
                 if self.last_gpu_time is not None:  # not read by now: nobody will, the submission need not read it
                     self.last_gpu_time.forget()
-                self._transfers.submit(rec, copies_in, copies_out)
-                y = yb.host_view(np.float16, (m, self.n)).astype(dtype) if target is None else target
-            self.last_gpu_time = rec.gpu_time()
-            return y
+                y = call.run(self._transfers, (x,), target, dtype)
+            self.last_gpu_time = call.rec.gpu_time()
+            return y if target is None else target
 
     last_gpu_ms = last_gpu_ms  # device_array.last_gpu_ms: reads last_gpu_time when asked
 
     def _call_buffers(self, m):
-        """(x, y, recorder) of __call__ for m rows: x where the host writes and the device reads it, y where the
-        device writes and the host reads it (no staging copies), the forward recorded once."""
+        """(x, y, RecordedCall) of __call__ for m rows: x where the host writes and the device reads it, y where
+        the device writes and the host reads it (no staging copies), the forward recorded once."""
         if m in self._io:
             self._io.move_to_end(m)
             return self._io[m]
@@ -224,9 +221,10 @@ class Exl3Linear:
             rec.host_barrier()
             rec.end()
         except BaseException:  # a recording that failed (e.g. on a closed device) leaves nothing behind
-            _close_call(xb, yb, rec)
+            close_recording(rec, (), (xb, yb))
             raise
-        self._io[m], self._sets[m] = (xb, yb, rec), sets
+        call = RecordedCall(rec, [(xb, _F16, (m, self.k))], (yb, _F16, (m, self.n)))
+        self._io[m], self._sets[m] = (xb, yb, call), sets
         return self._io[m]
 
     def dequantize(self) -> np.ndarray:

@@ -24,6 +24,7 @@ from . import kernels
 from .device_array import CallTransfers, DeviceArray, resolve_out
 from .host_arrays import describe, host_array, out_dtype_of
 from .plan import moe_plan
+from .recorded_call import RecordedCall
 
 from typing import TYPE_CHECKING
 
@@ -32,7 +33,7 @@ if TYPE_CHECKING:  # names used in type hints only
 
 DISPATCH_MODES = ("auto", "persistent", "split")
 # Checked on every call: dtype objects compare ~5x faster than a dtype with numpy scalar types (no conversion).
-_F16 = np.dtype(np.float16)
+_F16, _F32, _I32 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.int32)
 _WEIGHT_DTYPES = tuple(map(np.dtype, (np.float16, np.float32, np.float64)))
 POISON_F32 = 0x7FC00000  # a quiet NaN: an output element the kernels forget to write shows up in every test
 STATUS_BYTES = 16       # after the (m, H) output in the readback buffer: the persistent launch's abort word
@@ -142,11 +143,12 @@ class _CallOptions(threading.local):
 
 
 class _Recording:
-    """A forward recorded by _run and the descriptor sets its commands use: the recorder does not free them,
-    so an evicted recording frees them here (else every re-recording would take new sets for good)."""
+    """A forward recorded by _run (its recorder, and the RecordedCall that runs it) and the descriptor sets its
+    commands use: the recorder does not free them, so an evicted recording frees them here (else every
+    re-recording would take new sets for good)."""
 
-    def __init__(self, rec, sets):
-        self.rec, self.sets = rec, sets
+    def __init__(self, rec, sets, call=None):
+        self.rec, self.sets, self.call = rec, sets, call
 
     def close(self):
         try:
@@ -678,8 +680,7 @@ class Exl3MoeMlp:
             scratch = self._scratch_for(m, top_k)
             out_bytes = m * self.H * 4
             recording = self._recorded.get((m, top_k, key))
-            first = recording is None
-            if first:
+            if recording is None:
                 rec = CommandRecorder(self.device, timestamps=2)
                 try:
                     rec.begin()
@@ -696,25 +697,15 @@ class Exl3MoeMlp:
                     _Recording(rec, ()).close()
                     raise
                 # record_body returns the descriptor sets it bound (None: none to free with the recording)
-                recording = self._recorded[(m, top_k, key)] = _Recording(rec, sets or ())
-            rec = recording.rec
-            target = self._call_options.out
-            copies_in = copies_out = ()
-            if isinstance(hidden, DeviceArray):
-                copies_in = [(hidden.buffer, hb, m * self.H * 2)]
-            if target is not None:
-                copies_out = [(ob, target.buffer, out_bytes)]
-            # The io buffers are mapped: written and read through numpy views, under ONE hold of the device
-            # (a closed device's memory is unmapped; close() waits for this block instead).
+                call = RecordedCall(rec, [(hb, _F16, (m, self.H)), (ib, _I32, (m, top_k)), (wb, _F32, (m, top_k))],
+                                    (ob, _F32, (m, self.H)))
+                recording = self._recorded[(m, top_k, key)] = _Recording(rec, sets or (), call)
+            # The io buffers are mapped: written and read under ONE hold of the device (a closed device's memory
+            # is unmapped; close() waits for this block instead).
             with self.device.use():
-                if not copies_in:
-                    hb.host_view(np.float16, (m, self.H))[...] = hidden
-                ib.host_view(np.int32, (m, top_k))[...] = ids
-                wb.host_view(np.float32, (m, top_k))[...] = weights
-                self._transfers.submit(rec, copies_in, copies_out)  # the first run gets the compile bound
-                out = ob.host_view(np.float32, (m, self.H)).copy() if target is None else None
-                abort = int(ob.host_view(np.uint32, (1,), out_bytes)[0]) if status else 0
-        return out, rec.gpu_time(), scratch, abort
+                out = recording.call.run(self._transfers, (hidden, ids, weights), self._call_options.out, _F32)
+                abort = recording.call.status_word() if status else 0
+        return out, recording.rec.gpu_time(), scratch, abort
 
     def _run_path(self, path, hidden, ids, weights, m, top_k):
         out, gpu_time, scratch, status = self._run(hidden, ids, weights, m, top_k, path.key, path.record,
