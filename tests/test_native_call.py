@@ -106,6 +106,8 @@ def test_linear_matches_the_python_path(device, linear, monkeypatch, out_dtype):
         assert native.dtype == out_dtype and np.array_equal(native, python)
         native, python = _both_paths(monkeypatch, lambda: linear(x.astype(np.float32), out_dtype=out_dtype))
         assert np.array_equal(native, python)
+        native, python = _both_paths(monkeypatch, lambda: linear(np.asfortranarray(x), out_dtype=out_dtype))
+        assert np.array_equal(native, python) and np.array_equal(native, linear(x, out_dtype=out_dtype))
         with DeviceArray.from_numpy(device, x) as xd:
             for out in (None, "device"):
                 native, python = _both_paths(monkeypatch, lambda: _numpy(linear(xd, out=out)))

@@ -27,10 +27,14 @@ _F16 = np.dtype(np.float16)
 
 
 def _check_x(x, k, device):
+    """x as the call writes it: a DeviceArray of this device, or a numpy (m, k) float16 array (any layout: both
+    call paths copy strided arrays too)."""
     if isinstance(x, DeviceArray):
         return x.check("x", device, (None, k), np.float16)
-    x = host_array(x, "x")
-    if x.ndim != 2 or x.shape[1] != k:
+    if type(x) is not np.ndarray:  # (a numpy array, the usual case, skips the call)
+        x = host_array(x, "x")
+    shape = x.shape
+    if len(shape) != 2 or shape[1] != k:
         raise ValueError(f"x: expected shape (m, {k}) float16 or float32, got {describe(x)}")
     if x.dtype == np.float32:  # rounded to float16, the op's input precision
         if x.size and np.nanmax(np.abs(x)) > FP16_MAX:
@@ -40,7 +44,7 @@ def _check_x(x, k, device):
     if x.dtype != np.float16:
         raise TypeError(f"x: expected float16 or float32 (rounded to float16, the op's input precision), got "
                         f"{describe(x)}")
-    return np.ascontiguousarray(x)
+    return x
 
 
 def _close_call(xb, yb, call, sets=()):
@@ -181,7 +185,7 @@ class Exl3Linear:
         dtype = out_dtype_of(out_dtype)
         x = _check_x(x, self.k, self.device)
         m = x.shape[0]
-        target = resolve_out(out, self.device, (m, self.n), np.float16)
+        target = None if out is None else resolve_out(out, self.device, (m, self.n), np.float16)
         if m == 0:
             return np.zeros((0, self.n), dtype) if target is None else target
         with self._call_lock:

@@ -35,7 +35,7 @@ class RecordedCall:
         as a new numpy array of numpy dtype `out_dtype`. Returns that array, or None for a target. The caller
         holds the op's call lock and device.use() (a closed device's memory is unmapped)."""
         copies_in = [(a.buffer, buf, a.nbytes) for a, (buf, _, _) in zip(arrays, self.inputs)
-                     if isinstance(a, DeviceArray)]
+                     if isinstance(a, DeviceArray)] if DeviceArray in map(type, arrays) else ()
         copies_out = [(self.output[0], target.buffer, target.nbytes)] if target is not None else ()
         rec = self.rec
         if rec.submissions and fastcall.enabled():

@@ -54,20 +54,20 @@ def _conversions():
 class _Slot:
     """One mapped buffer of a call: its dtype and shape, and the conversions the C side does into it (`into`,
     by source dtype) and out of it (`out_of`, by destination dtype)."""
-    __slots__ = ("dtype", "shape", "into", "out_of")
+    __slots__ = ("dtype", "shape", "count", "into", "out_of")
 
     def __init__(self, struct, buffer, dtype, shape):
         if not buffer.mapped:
             raise ValueError("the native call path needs host-mapped io buffers")
         self.dtype, self.shape = np.dtype(dtype), tuple(shape)
         struct.mapped = _ffi.cast("void *", _address(buffer.block.pointer + buffer.offset))
-        struct.count = int(np.prod(self.shape, dtype=np.int64))
+        struct.count = self.count = int(np.prod(self.shape, dtype=np.int64))
         struct.elem_bytes = self.dtype.itemsize
         if struct.count * self.dtype.itemsize > buffer.size:
             raise ValueError(f"{self.shape} {self.dtype} does not fit the {buffer.size}-byte buffer")
         table = _conversions()
-        self.into = {self.dtype: _lib.VKN_CONV_COPY, **{a: c for (a, b), c in table.items() if b == self.dtype}}
-        self.out_of = {self.dtype: _lib.VKN_CONV_COPY, **{b: c for (a, b), c in table.items() if a == self.dtype}}
+        self.into = {self.dtype: _COPY, **{a: c for (a, b), c in table.items() if b == self.dtype}}
+        self.out_of = {self.dtype: _COPY, **{b: c for (a, b), c in table.items() if a == self.dtype}}
 
 
 class NativeCall:
@@ -77,8 +77,8 @@ class NativeCall:
     PENDING = None  # set below: vkn_call_finish's "still running"
 
     def __init__(self, rec, inputs, output):
-        if len(inputs) > _lib.VKN_CALL_INPUTS:
-            raise ValueError(f"the native call path takes at most {_lib.VKN_CALL_INPUTS} inputs, got {len(inputs)}")
+        if len(inputs) > _INPUTS:
+            raise ValueError(f"the native call path takes at most {_INPUTS} inputs, got {len(inputs)}")
         self.rec, self.lib = rec, _lib
         c = self.struct = _ffi.new("vkn_call *")
         for field, (name, ctype) in _ENTRY_POINTS.items():
@@ -90,31 +90,27 @@ class NativeCall:
         c.spin_s = rec.spin_s
         self.inputs = [_Slot(getattr(c, "in")[i], *spec) for i, spec in enumerate(inputs)]
         self.output = _Slot(c.out, *output)
-        self._unused = (NULL,) * (_lib.VKN_CALL_INPUTS - len(inputs))
 
     def run(self, arrays, out_dtype=None, before=(), after=()):
         """Copy `arrays` (numpy arrays of the inputs' shapes, any dtype numpy can convert; None: the input is
         not written, e.g. a DeviceArray copied by a rider) into the mapped inputs, submit with `before` /
         `after` riders, wait, and return the output as a new numpy array of `out_dtype` (a numpy dtype; None:
         no output copy, returns None). The caller holds device.use()."""
-        convs, sources, shift = 0, [], 0
-        for slot, a in zip(self.inputs, arrays):
+        convs, sources, from_buffer = 0, [NULL] * _INPUTS, _ffi.from_buffer
+        for i, (slot, a) in enumerate(zip(self.inputs, arrays)):
             if a is None:
-                sources.append(NULL)
-            else:
-                if a.shape != slot.shape:  # the C copy trusts the sizes: never read past an array
-                    raise ValueError(f"expected an array of shape {slot.shape}, got {a.shape}")
-                code = slot.into.get(a.dtype)
-                if code is None:
-                    a, code = np.ascontiguousarray(a, slot.dtype), _lib.VKN_CONV_COPY
-                try:
-                    pointer = _ffi.from_buffer(a)
-                except ValueError:  # not C-contiguous
-                    a, code = np.ascontiguousarray(a, slot.dtype), _lib.VKN_CONV_COPY
-                    pointer = _ffi.from_buffer(a)
-                convs |= code << shift
-                sources.append(pointer)
-            shift += _lib.VKN_CONV_BITS
+                continue
+            if a.size != slot.count:  # the C copy trusts the sizes: never read past an array (the op checked
+                raise ValueError(f"expected an array of shape {slot.shape}, got {a.shape}")  # the shape)
+            code = slot.into.get(a.dtype)
+            if code is None:
+                a, code = np.ascontiguousarray(a, slot.dtype), _COPY
+            try:
+                sources[i] = from_buffer(a)
+            except ValueError:  # not C-contiguous
+                a, code = np.ascontiguousarray(a, slot.dtype), _COPY
+                sources[i] = from_buffer(a)
+            convs |= code << (_CONV_BITS * i)
         out, out_conv, dst = None, 0, NULL
         if out_dtype is not None:
             slot = self.output
@@ -122,7 +118,7 @@ class NativeCall:
             out = np.empty(slot.shape, slot.dtype if out_conv is None else out_dtype)
             out_conv, dst = out_conv or 0, _ffi.from_buffer(out)
         self.struct.spin_s = self.rec.spin_s  # (tests change it on a live recorder)
-        self.rec.submit_native(self, convs, (*sources, *self._unused), dst, out_conv, before, after)
+        self.rec.submit_native(self, convs, sources, dst, out_conv, before, after)
         if out is not None and out.dtype != out_dtype:  # a narrowing the C side does not do (numpy rounds)
             out = out.astype(out_dtype)
         return out
@@ -135,5 +131,6 @@ class NativeCall:
 
 if _lib is not None:
     NativeCall.PENDING = _lib.VKN_PENDING
+    _INPUTS, _CONV_BITS, _COPY = _lib.VKN_CALL_INPUTS, _lib.VKN_CONV_BITS, _lib.VKN_CONV_COPY
     _FAILED_CALLS = {_lib.VKN_FAILED_RESET: "vkResetFences", _lib.VKN_FAILED_SUBMIT: "vkQueueSubmit",
                      _lib.VKN_FAILED_STATUS: "vkGetFenceStatus"}
