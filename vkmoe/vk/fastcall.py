@@ -1,6 +1,6 @@
 """The native call path: the host side of a recorded op call (write the inputs into mapped buffers, reset the
-fence, submit, wait, read the output) in two C calls of vkmoe._native (native/vkn_call.c) instead of about ten
-calls into the `vulkan` binding (1-3 us each) and numpy. The C side spins on the fence for the recorder's spin
+fence, submit, wait, read the output) in two C calls of vkmoe._native (native/vkn_call.c) instead of numpy view
+writes and about ten calls into the `vulkan` binding (each a libffi call from Python). The C side spins on the fence for the recorder's spin
 time (CommandRecorder.spin_s); a longer wait is CommandRecorder._wait's, with VKMOE_TIMEOUT, as on the Python
 path.
 
