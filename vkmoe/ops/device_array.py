@@ -93,7 +93,8 @@ class DeviceArray:
             raise ValueError(f"{name} is a DeviceArray on {self._device!r}; this op runs on {device!r}")
         if self.dtype != dtype:  # (a numpy dtype equals its scalar type: no np.dtype() per call)
             raise TypeError(f"{name} must be {np.dtype(dtype)}, got a DeviceArray of {self.dtype}")
-        if len(self.shape) != len(shape) or not all(w is None or w == d for w, d in zip(shape, self.shape)):
+        if shape != self.shape and (len(self.shape) != len(shape)  # (equal shapes skip the per-axis test)
+                                    or not all(w is None or w == d for w, d in zip(shape, self.shape))):
             want = "(" + ", ".join("m" if w is None else str(w) for w in shape) + ")"
             raise ValueError(f"{name} must have shape {want}, got a DeviceArray of shape {self.shape}")
         return self
@@ -181,9 +182,9 @@ class CallTransfers:
         return before, after
 
     def _record(self, slot, copies, barrier_first):
-        # The memory blocks themselves are in the key (not their ids): the key keeps them alive, so a block
-        # freed and replaced can never match a stale recording.
-        key = [(src.block, src.offset, dst.block, dst.offset, nbytes) for src, dst, nbytes in copies]
+        # The Buffers themselves are the key (compared by identity; a Buffer's memory never moves): the key keeps
+        # them alive, so a buffer freed and replaced can never match a stale recording.
+        key = list(copies)
         rec = getattr(self, slot)
         if rec is not None and self._recorded.get(slot) == key:
             return rec  # a runtime calling with the same arrays: the copies are recorded already
