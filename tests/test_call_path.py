@@ -295,7 +295,7 @@ def test_wait_spins_then_sleeps(device, ops, spin_s):
     lin = ops[1]
     x = make_x(16, lin.k, seed=8)
     expect = lin(x)
-    _, _, rec = lin._call_buffers(16)
+    rec = lin._call_buffers(16)[2].rec
     old = rec.spin_s
     rec.spin_s = spin_s
     try:

@@ -124,3 +124,15 @@ def test_split_runs_with_a_broken_persistent_grid(device, monkeypatch):
         assert np.isfinite(out).all() and rel_rms(out, call["ref_out"]) < 3e-3
         with pytest.raises(knobs.KnobError, match="VKMOE_PERSISTENT_GRID"):
             moe(call["x"], call["selected"], call["weights"], dispatch="persistent")
+
+
+def test_set_unset_and_replaced_environments_are_read(monkeypatch):
+    """knobs.get reads os.environ's own dict (cheap for unset variables): every change must still be seen."""
+    monkeypatch.delenv("VKMOE_TIMEOUT", raising=False)
+    assert knobs.get("VKMOE_TIMEOUT") == 60.0
+    monkeypatch.setenv("VKMOE_TIMEOUT", "2")
+    assert knobs.get("VKMOE_TIMEOUT") == 2.0
+    monkeypatch.delenv("VKMOE_TIMEOUT")
+    assert knobs.get("VKMOE_TIMEOUT") == 60.0
+    monkeypatch.setattr(os, "environ", {"VKMOE_TIMEOUT": "3"})  # not CPython's mapping: its get() is used
+    assert knobs.get("VKMOE_TIMEOUT") == 3.0

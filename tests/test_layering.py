@@ -19,7 +19,7 @@ LAYER_OF = {
 }
 MAY_IMPORT = {
     "leaf": set(),
-    "vk": {"leaf"},
+    "vk": {"leaf", "native"},
     "exl3": {"leaf"},
     "native": set(),
     "cpu": {"leaf", "exl3", "native"},

@@ -223,6 +223,8 @@ def repository_text_files():
         for name in files:
             if name.endswith((".npz", ".so", ".png", ".spv", ".pyc")):
                 continue
+            if name == ".git":  # a git worktree's pointer to its repository: git's, not the repository's text
+                continue
             yield os.path.join(top, name)
 
 

@@ -92,6 +92,7 @@ KNOBS = {k.name: k for k in (
     Knob("VKMOE_COOPMAT_MIN_M", 16, "a positive integer", _int_at_least(1)),
     Knob("VKMOE_COOPMAT_MOE_MIN_ROWS", 16, "a positive integer", _int_at_least(1)),
     Knob("VKMOE_SHAPE_CACHE", 8, "a positive integer", _int_at_least(1)),
+    Knob("VKMOE_NATIVE_CALL", True, "1/0 (or true/false, yes/no, on/off)", _flag),
 )}
 
 
@@ -101,9 +102,28 @@ _parsed = {}
 _PARSED_MAX = 256  # a process cycling through ever new values starts over rather than growing without bound
 
 
+_encoded = {}  # knob name -> its key in os.environ's own dict
+
+
+def _environ_text(name):
+    """os.environ.get(name), without its cost for an unset variable: Mapping.get raises and catches a KeyError
+    inside (~2.5 us on the dev machine), and the ops read several unset knobs on every call. CPython's
+    os.environ keeps its encoded entries in a dict, read here directly (os.environ is looked up each time: it may
+    be replaced; where it is not CPython's mapping, its get() runs)."""
+    env = os.environ
+    data = getattr(env, "_data", None)
+    if type(data) is not dict:
+        return env.get(name)
+    key = _encoded.get(name)
+    if key is None:
+        key = _encoded[name] = env.encodekey(name)
+    raw = data.get(key)
+    return None if raw is None else env.decodevalue(raw)
+
+
 def get(name, environ=None):
     """The value of knob `name` now: its default when unset or blank, else the parsed text."""
-    text = (os.environ if environ is None else environ).get(name)
+    text = _environ_text(name) if environ is None else environ.get(name)
     if text is None:
         return KNOBS[name].default
     try:

@@ -183,11 +183,17 @@ _SMALL_ROUTING = 128  # routing arrays up to this many ids are checked in plain 
 
 
 def _small_routing_ok(expert_ids, expert_weights, E):
-    """True when a small routing passes check_op_routing's rules (else the numpy checks below name the problem)."""
-    for row in expert_ids.tolist():
-        if len(set(row)) != len(row) or min(row) < 0 or max(row) >= E:
+    """True when a small routing passes check_op_routing's rules (else the numpy checks below name the problem).
+    Whole-list builtins rather than a Python loop per value: this runs on every decode call."""
+    rows = expert_ids.tolist()
+    for row in rows:
+        if len(set(row)) != len(row):
             return False
-    return all(math.isfinite(w) and abs(w) <= F32_MAX for w in expert_weights.ravel().tolist())
+    if rows and rows[0] and (min(map(min, rows)) < 0 or max(map(max, rows)) >= E):
+        return False
+    ws = expert_weights.ravel().tolist()
+    # A finite sum means no NaN or Inf among the weights (a sum that overflows only sends them to the numpy checks).
+    return math.isfinite(sum(ws)) and (not ws or max(map(abs, ws)) <= F32_MAX)
 
 
 def check_op_routing(expert_ids: np.ndarray, expert_weights: np.ndarray, E: int) -> None:

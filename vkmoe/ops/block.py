@@ -25,8 +25,10 @@ from .. import knobs, layout
 from ..vk import CommandRecorder, PushConstants
 from . import kernels
 from .device_array import CallTransfers, DeviceArray, close_recording, last_gpu_ms, resolve_out
+from .recorded_call import RecordedCall
 from .router import RouterGemv, check_tokens
 
+_F32 = np.dtype(np.float32)
 POISON_F32 = 0x7FC00000  # the output is NaN-filled before the block runs: an element it forgets shows up
 
 
@@ -269,42 +271,35 @@ class DeviceMoeBlock:
         if m == 0:
             return np.zeros((0, self.H), np.float32) if target is None else target
         inputs = {"x": hidden, "tokens": tokens, "residual": residual}
-        # The io buffers are mapped: written and read through kept numpy views, under one hold of the device (a
-        # closed device's memory is unmapped; close() waits for this block instead).
+        # The io buffers are mapped: written and read under one hold of the device (a closed device's memory is
+        # unmapped; close() waits for this block instead).
         with self._lock, self.device.use():
             mode = self.moe.decided_mode(m, self.top_k)
-            ob, abort = self._submit(m, inputs, target, mode)
+            out, abort = self._submit(m, inputs, target, mode)
             if abort:  # a persistent launch's bounded spin ran out: its output is not valid, re-run split
                 self.moe.reset_after_abort(m, self.top_k)
                 mode = "split"
-                ob, _ = self._submit(m, inputs, target, mode)
+                out, _ = self._submit(m, inputs, target, mode)
             self.last_mode = mode
-            return ob.host_view(np.float32, (m, self.H)).copy() if target is None else target
+            return out if target is None else target
 
     last_gpu_ms = last_gpu_ms  # device_array.last_gpu_ms: reads last_gpu_time when asked
 
     def _submit(self, m, inputs, target, mode):
         """Inputs, the block recorded for this shape and mode, the output's copy: ONE submission, waited for (the
-        caller holds the device). Returns (the output buffer, the persistent launch's abort code: copied behind
-        the output)."""
+        caller holds the device). Returns (the numpy output, None for a target; the persistent launch's abort
+        code: copied behind the output)."""
         dtypes = tuple((name, None if a is None else a.dtype) for name, a in inputs.items())
-        bufs, ob, rec = self._call_buffers(m, dtypes, mode)
-        copies_in = []
-        for name, src in inputs.items():
-            if isinstance(src, DeviceArray):
-                copies_in.append((src.buffer, bufs[name], src.nbytes))
-            elif src is not None:
-                bufs[name].host_view(src.dtype, src.shape)[...] = src
-        copies_out = [(ob, target.buffer, target.nbytes)] if target is not None else []
+        call = self._call_buffers(m, dtypes, mode)
         if self.last_gpu_time is not None:  # not read by now: nobody will, the submission need not read it
             self.last_gpu_time.forget()
-        self._transfers.submit(rec, copies_in, copies_out)
-        self.last_gpu_time = rec.gpu_time()
-        abort = int(ob.host_view(np.uint32, (1,), m * self.H * 4)[0]) if mode == "persistent" else 0
-        return ob, abort
+        out = call.run(self._transfers, [a for a in inputs.values() if a is not None], target, _F32)
+        self.last_gpu_time = call.rec.gpu_time()
+        return out, call.status_word() if mode == "persistent" else 0
 
     def _call_buffers(self, m, dtypes, mode):
-        """({input name: upload buffer}, output buffer, recorder) of (m, the inputs' dtypes, mode), recorded once."""
+        """The RecordedCall of (m, the inputs' dtypes, mode), recorded once; its inputs are the present ones, in
+        the order of `dtypes`."""
         key = (m, dtypes, mode)
         if key in self._calls:
             self._calls.move_to_end(key)
@@ -332,13 +327,15 @@ class DeviceMoeBlock:
                          dst_offset=m * self.H * 4)
             rec.host_barrier()
             rec.end()
-            self._calls[key] = (bufs, ob, rec, sets)
-        return self._calls[key][:3]
+            call = RecordedCall(rec, [(bufs[name], dt, (m,) if name == "tokens" else (m, self.H))
+                                      for name, dt in present], (ob, _F32, (m, self.H)))
+            self._calls[key] = (bufs, ob, call, sets)
+        return self._calls[key][2]
 
     def _evict_call(self, key):
         """Free one __call__ recording; its m's scratch too when no other recording or record() uses it."""
-        bufs, ob, rec, sets = self._calls.pop(key)
-        close_recording(rec, sets, (*bufs.values(), ob))
+        bufs, ob, call, sets = self._calls.pop(key)
+        close_recording(call.rec, sets, (*bufs.values(), ob))
         m = key[0]
         if m not in self._pinned and all(k[0] != m for k in self._calls):
             self._scratch.pop(m).close()
@@ -349,8 +346,8 @@ class DeviceMoeBlock:
     def close(self):
         with self._lock:
             self._transfers.close()
-            for bufs, ob, rec, sets in self._calls.values():
-                close_recording(rec, sets, (*bufs.values(), ob))
+            for bufs, ob, call, sets in self._calls.values():
+                close_recording(call.rec, sets, (*bufs.values(), ob))
             self._calls.clear()
             for s in self._scratch.values():
                 s.close()

@@ -93,7 +93,8 @@ class DeviceArray:
             raise ValueError(f"{name} is a DeviceArray on {self._device!r}; this op runs on {device!r}")
         if self.dtype != dtype:  # (a numpy dtype equals its scalar type: no np.dtype() per call)
             raise TypeError(f"{name} must be {np.dtype(dtype)}, got a DeviceArray of {self.dtype}")
-        if len(self.shape) != len(shape) or not all(w is None or w == d for w, d in zip(shape, self.shape)):
+        if shape != self.shape and (len(self.shape) != len(shape)  # (equal shapes skip the per-axis test)
+                                    or not all(w is None or w == d for w, d in zip(shape, self.shape))):
             want = "(" + ", ".join("m" if w is None else str(w) for w in shape) + ")"
             raise ValueError(f"{name} must have shape {want}, got a DeviceArray of shape {self.shape}")
         return self
@@ -159,8 +160,7 @@ class CallTransfers:
         compiles at the first dispatch: 4.5 s for the tiny split layer on Mesa 25, over 60 s for a larger
         persistent one), which must not be mistaken for a hung device: it may take up to
         occupancy.COMPILE_TIMEOUT_S in all; later submissions get VKMOE_TIMEOUT."""
-        before = [self._record("_before", copies_in, barrier_first=False)] if copies_in else []
-        after = [self._record("_after", copies_out, barrier_first=True)] if copies_out else []
+        before, after = self.riders(copies_in, copies_out)
         first, start = rec.submissions == 0, time.monotonic()
         try:
             rec.submit_held(wait=True, before=before, after=after)
@@ -174,10 +174,17 @@ class CallTransfers:
                                    f"shader compile) did not finish within {COMPILE_TIMEOUT_S} s; the device may be "
                                    "hung and should be recreated") from None
 
+    def riders(self, copies_in=(), copies_out=()):
+        """(before, after): the lists of recorders holding the copies, to submit around the op's buffer (recorded
+        again only when the copies changed)."""
+        before = [self._record("_before", copies_in, barrier_first=False)] if copies_in else []
+        after = [self._record("_after", copies_out, barrier_first=True)] if copies_out else []
+        return before, after
+
     def _record(self, slot, copies, barrier_first):
-        # The memory blocks themselves are in the key (not their ids): the key keeps them alive, so a block
-        # freed and replaced can never match a stale recording.
-        key = [(src.block, src.offset, dst.block, dst.offset, nbytes) for src, dst, nbytes in copies]
+        # The Buffers themselves are the key (compared by identity; a Buffer's memory never moves): the key keeps
+        # them alive, so a buffer freed and replaced can never match a stale recording.
+        key = list(copies)
         rec = getattr(self, slot)
         if rec is not None and self._recorded.get(slot) == key:
             return rec  # a runtime calling with the same arrays: the copies are recorded already

@@ -15,6 +15,7 @@ from . import kernels
 from .device_array import CallTransfers, DeviceArray, close_recording, last_gpu_ms, resolve_out
 from .host_arrays import describe, host_array, out_dtype_of
 from .plan import gemm_plan
+from .recorded_call import RecordedCall
 
 from typing import TYPE_CHECKING
 
@@ -22,13 +23,18 @@ if TYPE_CHECKING:  # names used in type hints only
     from ..vk import Buffer, Device
 
 FP16_MAX = 65504.0
+_F16 = np.dtype(np.float16)
 
 
 def _check_x(x, k, device):
+    """x as the call writes it: a DeviceArray of this device, or a numpy (m, k) float16 array (any layout: both
+    call paths copy strided arrays too)."""
     if isinstance(x, DeviceArray):
         return x.check("x", device, (None, k), np.float16)
-    x = host_array(x, "x")
-    if x.ndim != 2 or x.shape[1] != k:
+    if type(x) is not np.ndarray:  # (a numpy array, the usual case, skips the call)
+        x = host_array(x, "x")
+    shape = x.shape
+    if len(shape) != 2 or shape[1] != k:
         raise ValueError(f"x: expected shape (m, {k}) float16 or float32, got {describe(x)}")
     if x.dtype == np.float32:  # rounded to float16, the op's input precision
         if x.size and np.nanmax(np.abs(x)) > FP16_MAX:
@@ -38,7 +44,7 @@ def _check_x(x, k, device):
     if x.dtype != np.float16:
         raise TypeError(f"x: expected float16 or float32 (rounded to float16, the op's input precision), got "
                         f"{describe(x)}")
-    return np.ascontiguousarray(x)
+    return x
 
 
 def had_in_kernel(device):
@@ -58,8 +64,8 @@ def gemm_kernel(device, plan, bits, codebook, has_bias):
     return kernels.pipeline(device, "exl3_linear", kernels.LinearPush, spec, decode=True)
 
 
-def _close_call(xb, yb, rec, sets=()):
-    close_recording(rec, sets, (xb, yb))
+def _close_call(xb, yb, call, sets=()):
+    close_recording(call.rec, sets, (xb, yb))
 
 
 def _release_linear(io, sets, scratch, owned):
@@ -189,30 +195,25 @@ class Exl3Linear:
         dtype = out_dtype_of(out_dtype)
         x = _check_x(x, self.k, self.device)
         m = x.shape[0]
-        target = resolve_out(out, self.device, (m, self.n), np.float16)
+        target = None if out is None else resolve_out(out, self.device, (m, self.n), np.float16)
         if m == 0:
             return np.zeros((0, self.n), dtype) if target is None else target
         with self._call_lock:
-            xb, yb, rec = self._call_buffers(m)
-            copies_in = [(x.buffer, xb, x.nbytes)] if isinstance(x, DeviceArray) else ()
-            copies_out = [(yb, target.buffer, target.nbytes)] if target is not None else ()
-            # x and y are mapped: written and read through kept numpy views, under one hold of the device (a
-            # closed device's memory is unmapped; close() waits for this block instead)
+            call = self._call_buffers(m)[2]
+            # x and y are mapped: written and read under one hold of the device (a closed device's memory is
+            # unmapped; close() waits for this block instead)
             with self.device.use():
-                if not copies_in:
-                    xb.host_view(np.float16, (m, self.k))[...] = x
                 if self.last_gpu_time is not None:  # not read by now: nobody will, the submission need not read it
                     self.last_gpu_time.forget()
-                self._transfers.submit(rec, copies_in, copies_out)
-                y = yb.host_view(np.float16, (m, self.n)).astype(dtype) if target is None else target
-            self.last_gpu_time = rec.gpu_time()
-            return y
+                y = call.run(self._transfers, (x,), target, dtype)
+            self.last_gpu_time = call.rec.gpu_time()
+            return y if target is None else target
 
     last_gpu_ms = last_gpu_ms  # device_array.last_gpu_ms: reads last_gpu_time when asked
 
     def _call_buffers(self, m):
-        """(x, y, recorder) of __call__ for m rows: x where the host writes and the device reads it, y where the
-        device writes and the host reads it (no staging copies), the forward recorded once."""
+        """(x, y, RecordedCall) of __call__ for m rows: x where the host writes and the device reads it, y where
+        the device writes and the host reads it (no staging copies), the forward recorded once."""
         if m in self._io:
             self._io.move_to_end(m)
             return self._io[m]
@@ -234,9 +235,10 @@ class Exl3Linear:
             rec.host_barrier()
             rec.end()
         except BaseException:  # a recording that failed (e.g. on a closed device) leaves nothing behind
-            _close_call(xb, yb, rec)
+            close_recording(rec, (), (xb, yb))
             raise
-        self._io[m], self._sets[m] = (xb, yb, rec), sets
+        call = RecordedCall(rec, [(xb, _F16, (m, self.k))], (yb, _F16, (m, self.n)))
+        self._io[m], self._sets[m] = (xb, yb, call), sets
         return self._io[m]
 
     def dequantize(self) -> np.ndarray:

@@ -24,6 +24,7 @@ from . import kernels
 from .device_array import CallTransfers, DeviceArray, resolve_out
 from .host_arrays import describe, host_array, out_dtype_of
 from .plan import moe_plan
+from .recorded_call import RecordedCall
 
 from typing import TYPE_CHECKING
 
@@ -32,8 +33,8 @@ if TYPE_CHECKING:  # names used in type hints only
 
 DISPATCH_MODES = ("auto", "persistent", "split")
 # Checked on every call: dtype objects compare ~5x faster than a dtype with numpy scalar types (no conversion).
-_F16 = np.dtype(np.float16)
-_WEIGHT_DTYPES = tuple(map(np.dtype, (np.float16, np.float32, np.float64)))
+_F16, _F32, _I32 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.int32)
+_WEIGHT_DTYPES = frozenset(map(np.dtype, (np.float16, np.float32, np.float64)))
 POISON_F32 = 0x7FC00000  # a quiet NaN: an output element the kernels forget to write shows up in every test
 STATUS_BYTES = 16       # after the (m, H) output in the readback buffer: the persistent launch's abort word
 
@@ -100,10 +101,16 @@ def _check_experts(name, tensors, k, n, allow_none=False):
     return list(tensors)
 
 
+_MODES = {m: m for m in DISPATCH_MODES}  # the usual arguments, looked up as they are (on every call)
+
+
 def parse_dispatch(dispatch):
     """The dispatch mode: the argument wins, then VKMOE_DISPATCH, then "auto"."""
     if dispatch is None:
         return knobs.get("VKMOE_DISPATCH")
+    mode = _MODES.get(dispatch) if type(dispatch) is str else None
+    if mode is not None:
+        return mode
     mode = str(dispatch).strip().lower()
     if mode not in DISPATCH_MODES:
         raise ValueError(f"dispatch argument={dispatch!r}: expected one of {', '.join(DISPATCH_MODES)}")
@@ -173,11 +180,12 @@ class _CallOptions(threading.local):
 
 
 class _Recording:
-    """A forward recorded by _run and the descriptor sets its commands use: the recorder does not free them,
-    so an evicted recording frees them here (else every re-recording would take new sets for good)."""
+    """A forward recorded by _run (its recorder, the scratch it uses and the RecordedCall that runs it) and the
+    descriptor sets its commands use: the recorder does not free them, so an evicted recording frees them here
+    (else every re-recording would take new sets for good)."""
 
-    def __init__(self, rec, sets):
-        self.rec, self.sets = rec, sets
+    def __init__(self, rec, sets, scratch, call=None):
+        self.rec, self.sets, self.scratch, self.call = rec, sets, scratch, call
 
     def close(self):
         try:
@@ -347,6 +355,7 @@ class Exl3MoeMlp:
         self._call_lock = threading.RLock()
         self._transfers = CallTransfers(device)      # DeviceArray copies riding on a call's one submission
         self._call_options = _CallOptions()         # per call: the DeviceArray the output goes to, if any
+        self._split_path = _SplitPath(self)
         self._last_run = None  # the last_run dict, or a function making it (see last_run)
         self._last_gpu_time = None  # the GpuTime that function reads
         # A layer dropped without close() still frees its device memory (not at interpreter exit: by then the
@@ -571,23 +580,29 @@ class Exl3MoeMlp:
         """Shapes, dtypes and routing of a call; `experts`: how many experts the ids address (default this op's;
         the whole layer's for a layer split over devices, vkmoe.ops.sharded)."""
         E = self.E if experts is None else experts
-        if isinstance(hidden, DeviceArray):
-            hidden.check("hidden", self.device, (None, self.H), np.float16)
-        elif not isinstance(hidden, np.ndarray) or hidden.ndim != 2 or hidden.shape[1] != self.H:
+        # (each shape read once: every .shape makes a tuple, and this runs on every call)
+        if isinstance(hidden, np.ndarray):
+            shape = hidden.shape
+            if len(shape) != 2 or shape[1] != self.H:
+                raise ValueError(f"hidden: expected shape (m, {self.H}) float16, got {describe(hidden)}")
+        elif isinstance(hidden, DeviceArray):
+            shape = hidden.check("hidden", self.device, (None, self.H), np.float16).shape
+        else:
             raise ValueError(f"hidden: expected shape (m, {self.H}) float16, got {describe(hidden)}")
         if hidden.dtype != _F16:
             raise TypeError(f"hidden must be float16, got {hidden.dtype}")
-        m = hidden.shape[0]
-        if not isinstance(expert_ids, np.ndarray) or expert_ids.ndim != 2 or expert_ids.shape[0] != m:
+        m = shape[0]
+        ids_shape = expert_ids.shape if isinstance(expert_ids, np.ndarray) else None
+        if ids_shape is None or len(ids_shape) != 2 or ids_shape[0] != m:
             raise ValueError(f"expert_ids: expected shape ({m}, top_k) (m from hidden), got {describe(expert_ids)}")
         if expert_ids.dtype.kind not in "iu":
             raise TypeError(f"expert_ids must be an integer array, got {expert_ids.dtype}")
-        top_k = expert_ids.shape[1]
+        top_k = ids_shape[1]
         if not 1 <= top_k <= min(E, MAX_TOP_K):
             raise ValueError(f"expert_ids has top_k={top_k}; expected 1 <= top_k <= {min(E, MAX_TOP_K)} "
                              f"(the number of experts, {E}, and vkmoe's limit {MAX_TOP_K})")
-        if not isinstance(expert_weights, np.ndarray) or expert_weights.shape != expert_ids.shape:
-            raise ValueError(f"expert_weights: expected shape {expert_ids.shape} (that of expert_ids), got "
+        if not isinstance(expert_weights, np.ndarray) or expert_weights.shape != ids_shape:
+            raise ValueError(f"expert_weights: expected shape {ids_shape} (that of expert_ids), got "
                              f"{describe(expert_weights)}")
         if expert_weights.dtype not in _WEIGHT_DTYPES:
             raise TypeError(f"expert_weights must be float16/float32, got {expert_weights.dtype}")
@@ -601,13 +616,18 @@ class Exl3MoeMlp:
         be a DeviceArray. out: None (return numpy of out_dtype: float32, or float16), "device" (return a new
         DeviceArray) or a DeviceArray (m, H) float32 to write and return."""
         dtype = out_dtype_of(out_dtype)
-        if not isinstance(hidden, DeviceArray):
+        # (numpy arrays, the usual case, skip host_array's call: three calls cost ~0.5 us on every decode step)
+        if type(hidden) is not np.ndarray and not isinstance(hidden, DeviceArray):
             hidden = host_array(hidden, "hidden")
-        expert_ids, expert_weights = host_array(expert_ids, "expert_ids"), host_array(expert_weights, "expert_weights")
-        self._check_inputs(hidden, expert_ids, expert_weights)
-        target = resolve_out(out, self.device, (hidden.shape[0], self.H), np.float32)
-        if target is None:
-            return self._forward(hidden, expert_ids, expert_weights, dispatch).astype(dtype, copy=False)
+        if type(expert_ids) is not np.ndarray:
+            expert_ids = host_array(expert_ids, "expert_ids")
+        if type(expert_weights) is not np.ndarray:
+            expert_weights = host_array(expert_weights, "expert_weights")
+        m = self._check_inputs(hidden, expert_ids, expert_weights)[0]
+        if out is None:
+            result = self._forward(hidden, expert_ids, expert_weights, dispatch)
+            return result if dtype is _F32 else result.astype(dtype, copy=False)
+        target = resolve_out(out, self.device, (m, self.H), np.float32)
         self._call_options.out = target  # read by _run, below the mode decision
         try:
             self._forward(hidden, expert_ids, expert_weights, dispatch)
@@ -639,15 +659,12 @@ class Exl3MoeMlp:
             self._last_run = _run_report("none", mode, "m = 0: nothing to run", None, None, None, 0.0, 0.0)
             return np.zeros((0, self.H), np.float32)
         # (_run writes the inputs into the mapped input buffers, converting ids to int32, weights to float32)
-        return self._launch(mode, hidden, ids, weights, m, top_k)
-
-    def _launch(self, requested, hidden, ids, weights, m, top_k):
-        """Run in the mode vkmoe.sched decides; a persistent launch that aborted (a bounded spin ran out) is
-        re-run split on the same inputs. Sets last_run; returns the output."""
-        with self._call_lock:  # the shape's scratch stays (no eviction) until its last use below
-            return self._launch_locked(requested, hidden, ids, weights, m, top_k)
+        with self._call_lock:  # the shape's scratch stays (no eviction) until its last use in _launch_locked
+            return self._launch_locked(mode, hidden, ids, weights, m, top_k)
 
     def _launch_locked(self, requested, hidden, ids, weights, m, top_k):
+        """Run in the mode vkmoe.sched decides; a persistent launch that aborted (a bounded spin ran out) is
+        re-run split on the same inputs. Sets last_run; returns the output."""
         start = time.perf_counter()
         scratch = self._scratch_for(m, top_k)
         decision = decide(self.device, scratch.plan, requested, self.E, self.H, self.I, self.gated,
@@ -662,9 +679,9 @@ class Exl3MoeMlp:
                 fallback = (f"persistent launch aborted ({why}; grid {decision.plan.workgroups} from "
                             f"{decision.plan.source}): re-ran in split mode")
                 scratch.reset_sync()
-                result, mode = self.run_split(hidden, ids, weights, m, top_k), "split"
+                result, mode = self._run_path(self._split_path, hidden, ids, weights, m, top_k), "split"
         else:
-            result = self.run_split(hidden, ids, weights, m, top_k)
+            result = self._run_path(self._split_path, hidden, ids, weights, m, top_k)
             if requested == "persistent":  # a request not honoured; an ordinary auto decision is only `reason`
                 fallback = decision.reason
         plan, gpu_time, wall_ms = scratch.plan, result.gpu_time, (time.perf_counter() - start) * 1e3
@@ -694,47 +711,40 @@ class Exl3MoeMlp:
         is None): their copies are recorded per call and ride on the same submission (CallTransfers). ids and
         weights: any integer / float arrays of shape (m, top_k), written as int32 / float32."""
         with self._call_lock:  # one forward at a time per layer: the io and scratch buffers are per layer
-            hb, ib, wb, ob = self._io_for(m, top_k)
-            scratch = self._scratch_for(m, top_k)
-            out_bytes = m * self.H * 4
             recording = self._recorded.get((m, top_k, key))
-            first = recording is None
-            if first:
-                rec = CommandRecorder(self.device, timestamps=2)
-                try:
-                    rec.begin()
-                    rec.fill(ob, POISON_F32)  # an element no stage writes stays NaN
-                    rec.barrier()
-                    rec.timestamp()
-                    sets = record_body(rec, scratch, self._bindings(scratch, hb, ib, wb, ob))
-                    rec.timestamp()
-                    if status:  # record_body ended with a barrier: the kernel's abort word is final
-                        rec.copy(scratch.sync, ob, 4, dst_offset=out_bytes)
-                    rec.host_barrier()
-                    rec.end()
-                except BaseException:  # a recording that failed (e.g. on a closed device) leaves nothing behind
-                    _Recording(rec, ()).close()
-                    raise
-                # record_body returns the descriptor sets it bound (None: none to free with the recording)
-                recording = self._recorded[(m, top_k, key)] = _Recording(rec, sets or ())
-            rec = recording.rec
-            target = self._call_options.out
-            copies_in = copies_out = ()
-            if isinstance(hidden, DeviceArray):
-                copies_in = [(hidden.buffer, hb, m * self.H * 2)]
-            if target is not None:
-                copies_out = [(ob, target.buffer, out_bytes)]
-            # The io buffers are mapped: written and read through numpy views, under ONE hold of the device
-            # (a closed device's memory is unmapped; close() waits for this block instead).
+            if recording is None:
+                recording = self._recorded[(m, top_k, key)] = self._record_run(m, top_k, record_body, status)
+            # The io buffers are mapped: written and read under ONE hold of the device (a closed device's memory
+            # is unmapped; close() waits for this block instead).
             with self.device.use():
-                if not copies_in:
-                    hb.host_view(np.float16, (m, self.H))[...] = hidden
-                ib.host_view(np.int32, (m, top_k))[...] = ids
-                wb.host_view(np.float32, (m, top_k))[...] = weights
-                self._transfers.submit(rec, copies_in, copies_out)  # the first run gets the compile bound
-                out = ob.host_view(np.float32, (m, self.H)).copy() if target is None else None
-                abort = int(ob.host_view(np.uint32, (1,), out_bytes)[0]) if status else 0
-        return out, rec.gpu_time(), scratch, abort
+                out = recording.call.run(self._transfers, (hidden, ids, weights), self._call_options.out, _F32)
+                abort = recording.call.status_word() if status else 0
+        return out, recording.rec.gpu_time(), recording.scratch, abort
+
+    def _record_run(self, m, top_k, record_body, status):
+        """_run's recording: the output poisoned with NaN, record_body's commands between two timestamps, the
+        abort word copied behind the output (status=True), a host barrier."""
+        hb, ib, wb, ob = self._io_for(m, top_k)
+        scratch = self._scratch_for(m, top_k)
+        rec = CommandRecorder(self.device, timestamps=2)
+        try:
+            rec.begin()
+            rec.fill(ob, POISON_F32)  # an element no stage writes stays NaN
+            rec.barrier()
+            rec.timestamp()
+            sets = record_body(rec, scratch, self._bindings(scratch, hb, ib, wb, ob))
+            rec.timestamp()
+            if status:  # record_body ended with a barrier: the kernel's abort word is final
+                rec.copy(scratch.sync, ob, 4, dst_offset=m * self.H * 4)
+            rec.host_barrier()
+            rec.end()
+        except BaseException:  # a recording that failed (e.g. on a closed device) leaves nothing behind
+            _Recording(rec, (), scratch).close()
+            raise
+        call = RecordedCall(rec, [(hb, _F16, (m, self.H)), (ib, _I32, (m, top_k)), (wb, _F32, (m, top_k))],
+                            (ob, _F32, (m, self.H)))
+        # record_body returns the descriptor sets it bound (None: none to free with the recording)
+        return _Recording(rec, sets or (), scratch, call)
 
     def _run_path(self, path, hidden, ids, weights, m, top_k):
         out, gpu_time, scratch, status = self._run(hidden, ids, weights, m, top_k, path.key, path.record,
@@ -744,7 +754,7 @@ class Exl3MoeMlp:
 
     def run_split(self, hidden, ids, weights, m, top_k):
         """Upload, run the split path (output poisoned first), wait; returns a RunResult (abort_code 0)."""
-        return self._run_path(_SplitPath(self), hidden, ids, weights, m, top_k)
+        return self._run_path(self._split_path, hidden, ids, weights, m, top_k)
 
     def run_persistent(self, hidden, ids, weights, m, top_k, pplan):
         """Upload, run the persistent kernel, wait; returns a RunResult. A non-zero abort code means the output

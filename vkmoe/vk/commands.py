@@ -24,11 +24,25 @@ ffi = vk.ffi
 SPIN_BEFORE_SLEEP_S = 0.0005
 
 _submissions = 0  # vkQueueSubmit calls made by this process (submission_count())
+_native_submissions = 0  # those made through the native call path (native_submission_count())
 
 
 def submission_count():
     """How many vkQueueSubmit calls CommandRecorders have made in this process (for tests and profiling)."""
     return _submissions
+
+
+def native_submission_count():
+    """How many of them the native call path (submit_native) made: tests and tools see which path ran."""
+    return _native_submissions
+
+
+def _submit_info(handles):
+    """(a VkSubmitInfo of these command buffers, the handle array it points at: keep both alive)."""
+    array = ffi.new("VkCommandBuffer[]", handles)
+    info = ffi.new("VkSubmitInfo*", {"sType": vk.VK_STRUCTURE_TYPE_SUBMIT_INFO, "commandBufferCount": len(handles),
+                                     "pCommandBuffers": array})
+    return info, array
 
 _SHADER_STAGES = vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | vk.VK_PIPELINE_STAGE_TRANSFER_BIT
 _ACCESS = (vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT | vk.VK_ACCESS_TRANSFER_READ_BIT
@@ -112,10 +126,8 @@ class CommandRecorder:
         self.spin_s = 0.0 if device.device_type == "cpu" else SPIN_BEFORE_SLEEP_S
         # Built once: what submit() and wait() hand to the cffi functions.
         self._fences = ffi.new("VkFence[1]", [self._fence])
-        self._submit_info = ffi.new("VkSubmitInfo*")
-        self._submit_info.sType = vk.VK_STRUCTURE_TYPE_SUBMIT_INFO
-        self._own_buffers = ffi.new("VkCommandBuffer[1]", [self.handle])
-        self._rider_key = self._rider_handles = None  # the last submission's riders and its handle array
+        self._own_info = _submit_info([self.handle])  # a submission of this buffer alone
+        self._rider_key = self._rider_info = None  # the last submission with riders: its riders and its info
         self._stamp_data = ffi.new("uint64_t[]", max(1, self.timestamp_slots))
         bits = device.timestamp_valid_bits
         self._stamp_mask = (1 << bits) - 1 if bits < 64 else (1 << 64) - 1
@@ -243,8 +255,42 @@ class CommandRecorder:
         """submit() for a caller that holds device.use() around it already (an op's call, which holds it for
         its mapped io buffers anyway): each re-entry of use() costs about a microsecond, and this runs on every
         op call."""
-        global _submissions
         dev = self.device
+        riders, info = self._prepare_submit(timeout, before, after)
+        with dev._lock:
+            check("vkResetFences", vk.lib.vkResetFences(dev.handle, 1, self._fences))
+            check("vkQueueSubmit", vk.lib.vkQueueSubmit(dev.queue, 1, info, self._fence))
+            self._submitted(riders)
+        if wait:
+            self._wait(timeout)
+        return self
+
+    def submit_native(self, call, convs, sources, dst, out_conv, before=(), after=()):
+        """submit_held(wait=True) through the native call path (vkmoe.vk.fastcall.NativeCall `call`, made for
+        this recorder): the host inputs `sources` (4 cdata pointers or NULL, converted by the packed `convs`) are
+        copied into their mapped buffers, the fence reset, the buffer submitted and waited for, and the output
+        copied into `dst` (NULL: none) by two C calls. Same checks, bookkeeping, errors and timeout as
+        submit_held + wait; the caller holds device.use()."""
+        global _native_submissions
+        dev, lib, c = self.device, call.lib, call.struct
+        riders, info = self._prepare_submit(None, before, after)
+        with dev._lock:
+            result = lib.vkn_call_submit(c, info, convs, *sources)
+            if result:
+                call.raise_error(result)
+            self._submitted(riders)
+            _native_submissions += 1
+        result = lib.vkn_call_finish(c, out_conv, dst)
+        if result == call.PENDING:  # still running after the spin: sleep as submit_held's wait does, then copy
+            self._wait(None, spun=True)
+            result = lib.vkn_call_finish(c, out_conv, dst)
+        if result:
+            call.raise_error(result)
+        self._pending = False
+
+    def _prepare_submit(self, timeout, before, after):
+        """What every submission checks and settles first: this buffer and the riders recorded, the last
+        submission finished and its GPU time read if someone holds it. Returns (riders, the VkSubmitInfo)."""
         self._check_open()
         if not self._recorded:
             raise VkmoeError("submit() needs a recorded command buffer (begin() ... end())")
@@ -252,35 +298,29 @@ class CommandRecorder:
         for r in riders:
             if r is None:
                 continue
-            if not r._recorded or r.device is not dev or r.handle is None:
+            if not r._recorded or r.device is not self.device or r.handle is None:
                 raise VkmoeError("submit(before=, after=) takes recorded CommandRecorders of the same device")
             r._wait_for_carrier()
         if self._pending:
             self._wait(timeout)
-        self._settle_gpu_time()
+        if self._gpu_time is not None:
+            self._settle_gpu_time()
         if not riders:
-            handles = self._own_buffers
-        elif riders == self._rider_key:  # an op's call: the same transfer recorders every time
-            handles = self._rider_handles
-        else:
-            handles = ffi.new("VkCommandBuffer[]", [r.handle for r in before] + [self.handle]
-                              + [r.handle for r in after])
-            self._rider_key, self._rider_handles = (*before, None, *after), handles
-        info = self._submit_info
-        info.commandBufferCount = len(riders) or 1
-        info.pCommandBuffers = handles
-        with dev._lock:
-            check("vkResetFences", vk.lib.vkResetFences(dev.handle, 1, self._fences))
-            check("vkQueueSubmit", vk.lib.vkQueueSubmit(dev.queue, 1, info, self._fence))
-            _submissions += 1
+            return riders, self._own_info[0]
+        if riders != self._rider_key:  # (an op's call: the same transfer recorders every time)
+            self._rider_key = riders
+            self._rider_info = _submit_info([r.handle for r in before] + [self.handle] + [r.handle for r in after])
+        return riders, self._rider_info[0]
+
+    def _submitted(self, riders):
+        """The bookkeeping of a submission that the driver accepted (under the device's queue lock)."""
+        global _submissions
+        _submissions += 1
         self._pending = True
         self.submissions += 1
         for r in riders:
             if r is not None:
                 r._riding_on = self
-        if wait:
-            self._wait(timeout)
-        return self
 
     def _wait_for_carrier(self):
         """A buffer submitted with another recorder's submission may be re-recorded only once that finished."""
@@ -295,8 +335,10 @@ class CommandRecorder:
         with self.device.use():  # close() waits for this wait (bounded by `timeout`) instead of freeing the fence
             self._wait(timeout)
 
-    def _wait(self, timeout):
-        if self.spin_s > 0:
+    def _wait(self, timeout, spun=False):
+        """Wait for the pending submission: spin for spin_s (unless the caller `spun` already), then sleep for up
+        to `timeout` seconds (None: VKMOE_TIMEOUT) in slices."""
+        if self.spin_s > 0 and not spun:
             status = self._spin(self.spin_s)
             if status == vk.VK_SUCCESS:
                 self._pending = False

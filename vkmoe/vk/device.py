@@ -199,14 +199,14 @@ class _DeviceHold:
 
     def __enter__(self):
         d = self._device
-        with d._idle:
+        with d._use_lock:  # (the plain lock under d._idle: a Condition's own `with` is two Python calls more)
             d.check_open()
             d._in_use += 1
         return d
 
     def __exit__(self, *exc):
         d = self._device
-        with d._idle:
+        with d._use_lock:
             d._in_use -= 1
             if d._closed and not d._in_use:
                 d._idle.notify_all()  # close() waits for the last block
@@ -231,7 +231,8 @@ class Device:
         # Calls into the driver in progress (`use()`); close() waits for them, so another thread's forward
         # ends with DeviceClosedError instead of touching destroyed objects.
         self._in_use = 0
-        self._idle = threading.Condition()
+        self._use_lock = threading.Lock()
+        self._idle = threading.Condition(self._use_lock)
         self._hold = _DeviceHold(self)
         self.validation = _validation_requested()
         self.instance = _Instance.get(self.validation)

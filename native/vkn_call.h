@@ -1,0 +1,59 @@
+/* vkmoe native call path: the host side of an op call whose command buffer is recorded already (write the
+   inputs into mapped buffers, submit, wait, read the output) in two C calls instead of a dozen calls into the
+   `vulkan` binding and numpy (vkmoe/vk/fastcall.py drives it). A wait longer than the spin goes back to
+   Python, which sleeps in slices with its timeout (Ctrl-C is seen between them).
+
+   No Vulkan header and no libvulkan at build time: the handles are opaque, and the three entry points are the
+   addresses of the loader functions the `vulkan` binding itself calls (so validation layers see every call). */
+#ifndef VKN_CALL_H
+#define VKN_CALL_H
+#include <stddef.h>
+#include <stdint.h>
+
+/* VkResult codes the call path looks at (Vulkan's values). */
+enum { VKN_VK_SUCCESS = 0, VKN_VK_NOT_READY = 1 };
+/* vkn_call_finish: the submission is still running after the spin (the caller waits for it). */
+enum { VKN_PENDING = 1 };
+/* Which entry point failed (vkn_call.failed), for the error message. */
+enum { VKN_FAILED_RESET = 1, VKN_FAILED_SUBMIT = 2, VKN_FAILED_STATUS = 3 };
+/* How a slot's elements go between the caller's array and the mapped buffer. */
+enum { VKN_CONV_COPY = 0, VKN_CONV_I64_TO_I32 = 1, VKN_CONV_F64_TO_F32 = 2, VKN_CONV_F16_TO_F32 = 3 };
+/* Host inputs per call; bits per slot in the packed conversion codes. */
+enum { VKN_CALL_INPUTS = 4, VKN_CONV_BITS = 4 };
+
+/* Non-dispatchable handles (VkFence) are 64-bit on every ABI; dispatchable ones (VkDevice, VkQueue) pointers. */
+typedef int32_t (*vkn_reset_fences_fn)(void *device, uint32_t count, const uint64_t *fences);
+typedef int32_t (*vkn_queue_submit_fn)(void *queue, uint32_t count, const void *submits, uint64_t fence);
+typedef int32_t (*vkn_get_fence_status_fn)(void *device, uint64_t fence);
+
+/* One end of a call's host transfer: a mapped buffer and how many elements of elem_bytes it takes. */
+typedef struct {
+    void *mapped;
+    uint64_t count;
+    uint32_t elem_bytes;
+} vkn_slot;
+
+typedef struct {
+    vkn_reset_fences_fn reset_fences;
+    vkn_queue_submit_fn queue_submit;
+    vkn_get_fence_status_fn get_fence_status;
+    void *device;
+    void *queue;
+    const uint64_t *fence;   /* VkFence[1]: the recorder's fence */
+    double spin_s;           /* poll vkGetFenceStatus this long (0: once, e.g. on a CPU device) */
+    vkn_slot in[4];          /* VKN_CALL_INPUTS */
+    vkn_slot out;
+    int failed;              /* set on an error: VKN_FAILED_* */
+} vkn_call;
+
+/* Copy the inputs (src[i] NULL: slot i is not written), reset the fence, submit `submit` (one VkSubmitInfo).
+   The caller holds the queue's lock. convs: the slots' VKN_CONV_* codes, VKN_CONV_BITS each (slot 0 lowest).
+   Returns 0 or the failing call's VkResult (c->failed says which). */
+int32_t vkn_call_submit(vkn_call *c, const void *submit, uint32_t convs, const void *src0, const void *src1,
+                        const void *src2, const void *src3);
+/* Poll the fence for up to c->spin_s and, once it is signalled, copy the output into dst (NULL: none) with
+   conversion conv. Returns 0 (done, output copied), VKN_PENDING (still running, nothing copied: the caller
+   sleeps in vkWaitForFences, with its timeout, and calls this again) or the failing call's VkResult. */
+int32_t vkn_call_finish(vkn_call *c, uint32_t conv, void *dst);
+
+#endif

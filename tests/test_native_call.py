@@ -1,0 +1,256 @@
+"""The native call path (vkmoe.vk.fastcall, native/vkn_call.c): an op call whose forward is recorded writes its
+inputs, submits, waits and reads its output in C. It must give the bits of the Python path (VKMOE_NATIVE_CALL=0)
+for numpy and DeviceArray inputs and outputs, both dispatch modes and changing shapes; it must really be taken
+(native_submission_count) and be left for the Python path when forced or when vkmoe._native lacks it; and its
+errors (a closed device, a timeout, bad inputs) must be the Python path's, with the device usable afterwards."""
+import numpy as np
+import pytest
+
+import vkmoe
+from vkmoe import knobs
+from goldens import rel_rms
+from test_call_path import GOLDEN_TOL, blocks, layer  # noqa: F401 - fixtures: the SparseMoeBlocks, the tiny layer
+from test_linear import make_tensor, make_x
+from vkmoe.exl3 import reference
+from vkmoe.ops.device_array import DeviceArray
+from vkmoe.vk import CommandRecorder, DeviceClosedError, commands, fastcall
+
+pytestmark = pytest.mark.skipif(not fastcall.available(), reason="vkmoe._native without the call path")
+
+@pytest.fixture(scope="module")
+def moe(device, layer):  # noqa: F811
+    L = layer
+    with vkmoe.Exl3MoeMlp(device, L.gate, L.up, L.down, activation="silu") as op:
+        yield op
+
+
+@pytest.fixture(scope="module")
+def linear(device, layer):
+    with vkmoe.Exl3Linear(device, make_tensor(layer.hidden_size, 384, 4, "mul1", seed=5)) as op:
+        yield op
+
+
+def _counted(fn):
+    """(fn(), how many of its submissions took the native path, how many it made)."""
+    native, total = commands.native_submission_count(), commands.submission_count()
+    result = fn()
+    return result, commands.native_submission_count() - native, commands.submission_count() - total
+
+
+def _both_paths(monkeypatch, fn):
+    """fn() on the native path (after a first call, which records and takes the Python path) and forced onto
+    the Python path: (native result, python result); checks which path each call took."""
+    monkeypatch.setenv("VKMOE_NATIVE_CALL", "1")
+    fn()
+    native, n_native, n_total = _counted(fn)
+    assert n_native == n_total == 1, (n_native, n_total)
+    monkeypatch.setenv("VKMOE_NATIVE_CALL", "0")
+    python, n_native, n_total = _counted(fn)
+    assert n_native == 0 and n_total == 1
+    return native, python
+
+
+def _numpy(result):
+    return result.numpy() if isinstance(result, DeviceArray) else result
+
+
+# ------------------------------------------------------------------------------------ same bits
+@pytest.mark.parametrize("dispatch", ["split", "persistent"])
+def test_moe_matches_the_python_path(device, moe, layer, monkeypatch, dispatch):
+    """Every golden call (several m), numpy and DeviceArray hidden and out, int64 / int32 ids and float16 /
+    float32 / float64 weights, against the Python path's bits and the float64 reference."""
+    for call in layer.calls:
+        x, ids, w = call["x"], call["selected"], call["weights"]
+        variants = [(ids, w), (ids.astype(np.int32), w.astype(np.float16)), (ids.astype(np.int64), w.astype(np.float64))]
+        for ids_v, w_v in variants:
+            native, python = _both_paths(monkeypatch, lambda: moe(x, ids_v, w_v, dispatch=dispatch))
+            assert moe.last_run["mode"] == dispatch or moe.last_run["fallback_reason"], moe.last_run
+            assert native.dtype == np.float32 and np.array_equal(native, python)
+            ref = reference.moe_forward(x, ids_v, w_v, layer.gate, layer.up, layer.down, activation="silu")
+            assert rel_rms(native, ref) < GOLDEN_TOL
+        with DeviceArray.from_numpy(device, x) as xd:
+            for out in (None, "device"):
+                native, python = _both_paths(monkeypatch, lambda: _numpy(moe(xd, ids, w, dispatch=dispatch, out=out)))
+                assert np.array_equal(native, python) and np.array_equal(native, moe(x, ids, w, dispatch=dispatch))
+        native, python = _both_paths(monkeypatch, lambda: moe(x, ids, w, dispatch=dispatch, out_dtype=np.float16))
+        assert native.dtype == np.float16 and np.array_equal(native, python)
+
+
+def test_moe_alternating_shapes_and_layouts(moe, layer, monkeypatch):
+    """Calls alternating between shapes, each shape's recording resubmitted; non-contiguous and read-only
+    inputs, which the native path converts first."""
+    calls = layer.calls
+    expect = [moe(c["x"], c["selected"], c["weights"]) for c in calls]
+    monkeypatch.setenv("VKMOE_NATIVE_CALL", "1")
+    for _ in range(3):
+        for c, want in zip(calls, expect):
+            got, n_native, _ = _counted(lambda: moe(c["x"], c["selected"], c["weights"]))
+            assert n_native == 1 and np.array_equal(got, want)
+    c, want = calls[0], expect[0]
+    wide_ids = np.repeat(c["selected"], 2, axis=1)[:, ::2]          # a strided view
+    fortran = np.asfortranarray(c["x"])
+    frozen = c["weights"].copy()
+    frozen.flags.writeable = False
+    assert not wide_ids.flags.c_contiguous and not fortran.flags.c_contiguous
+    got, n_native, _ = _counted(lambda: moe(fortran, wide_ids, frozen))
+    assert n_native == 1 and np.array_equal(got, want)
+    got, n_native, _ = _counted(lambda: moe(c["x"], c["selected"].astype(np.uint8), c["weights"]))
+    assert n_native == 1 and np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("out_dtype", [np.float16, np.float32])
+def test_linear_matches_the_python_path(device, linear, monkeypatch, out_dtype):
+    for m in (1, 3, 16):
+        x = make_x(m, linear.k, seed=m)
+        native, python = _both_paths(monkeypatch, lambda: linear(x, out_dtype=out_dtype))
+        assert native.dtype == out_dtype and np.array_equal(native, python)
+        native, python = _both_paths(monkeypatch, lambda: linear(x.astype(np.float32), out_dtype=out_dtype))
+        assert np.array_equal(native, python)
+        native, python = _both_paths(monkeypatch, lambda: linear(np.asfortranarray(x), out_dtype=out_dtype))
+        assert np.array_equal(native, python) and np.array_equal(native, linear(x, out_dtype=out_dtype))
+        with DeviceArray.from_numpy(device, x) as xd:
+            for out in (None, "device"):
+                native, python = _both_paths(monkeypatch, lambda: _numpy(linear(xd, out=out)))
+                assert np.array_equal(native, python) and np.array_equal(native, linear(x))
+
+
+def test_device_block_matches_the_python_path(device, blocks, monkeypatch):  # noqa: F811
+    for block in blocks:
+        for m in (1, 4):
+            hidden = make_x(m, block.config.hidden_size, seed=20 + m)
+            for h in (hidden, hidden.astype(np.float32)):
+                native, python = _both_paths(monkeypatch, lambda: block(h))
+                assert np.isfinite(native).all() and np.array_equal(native, python)
+            with DeviceArray.from_numpy(device, hidden) as xd:
+                native, python = _both_paths(monkeypatch, lambda: _numpy(block(xd, out="device")))
+                assert np.array_equal(native, python)
+
+
+def test_c_conversions_are_numpy_s(device):
+    """Every fp16 bit pattern to fp32 (subnormals, infinities, NaN payloads), fp64 to fp32 rounding (halfway
+    cases, subnormals, overflow) and int64 to int32 wrapping, on both ends of a call."""
+    halves = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+    doubles = np.concatenate([np.random.default_rng(0).standard_normal(4096) * 10.0 ** np.arange(-40, 40, 80 / 4096),
+                              [1 + 2.0 ** -24, 1 + 3 * 2.0 ** -24, 2.0 ** -149, 2.0 ** -150, 1e39, -1e39, 3.4028235e38]])
+    ints = np.array([0, 1, -1, 2 ** 31 - 1, -2 ** 31, 2 ** 31, 2 ** 40 + 5, -2 ** 40 - 5], np.int64)
+    mem = device.memory
+    with CommandRecorder(device) as rec:
+        rec.begin()
+        rec.end()
+        rec.submit(wait=True)
+        for src, dst in ((halves, np.float32), (doubles, np.float32), (ints, np.int32)):
+            n = src.size
+            with mem.allocate(n * 4, kind="upload") as inp, mem.allocate(n * 2, kind="readback") as out:
+                call = fastcall.NativeCall(rec, [(inp, dst, (n,))], (out, np.float16, (n,)))
+                out.host_view(np.float16, (n,))[...] = halves[:n]
+                back = call.run([src], np.dtype(np.float32))
+                with np.errstate(over="ignore"):  # (1e39 becomes inf in numpy's cast too)
+                    assert inp.host_view(dst, (n,)).tobytes() == src.astype(dst).tobytes()
+                assert back.tobytes() == halves[:n].astype(np.float32).tobytes()
+                assert call.run([None]) is None
+
+
+# ------------------------------------------------------------------------------------ which path
+def test_without_the_native_module_the_python_path_runs(moe, linear, layer, monkeypatch):
+    c = layer.calls[0]
+    want, want_lin = moe(c["x"], c["selected"], c["weights"]), linear(c["x"])
+    monkeypatch.setattr(fastcall, "_lib", None)
+    assert not fastcall.available() and not fastcall.enabled()
+    got, n_native, n_total = _counted(lambda: (moe(c["x"], c["selected"], c["weights"]), linear(c["x"])))
+    assert n_native == 0 and n_total == 2
+    assert np.array_equal(got[0], want) and np.array_equal(got[1], want_lin)
+
+
+def test_first_submission_of_a_recording_takes_the_python_path(device, layer):
+    """It may include the driver's lazy compile, which gets the compile bound (CallTransfers.submit)."""
+    L = layer
+    c = L.calls[0]
+    with vkmoe.Exl3MoeMlp(device, L.gate, L.up, L.down, activation="silu", dispatch="split") as fresh:
+        counts = [_counted(lambda: fresh(c["x"], c["selected"], c["weights"]))[1:] for _ in range(3)]
+    assert counts == [(0, 1), (1, 1), (1, 1)]
+
+
+# ------------------------------------------------------------------------------------ errors
+def test_bad_inputs_raise_as_before(moe, linear, layer):
+    c = layer.calls[0]
+    x, ids, w = c["x"], c["selected"], c["weights"]
+    moe(x, ids, w)  # the shape's recording exists: the next calls would take the native path
+    with pytest.raises(ValueError, match=r"expert_ids must lie in \[0, 8\); found 9"):
+        moe(x, np.full_like(ids, 9), w)
+    with pytest.raises(ValueError, match=r"expert_weights contains NaN or Inf"):
+        moe(x, ids, np.full_like(w, np.nan))
+    with pytest.raises(TypeError, match=r"hidden must be float16"):
+        moe(x.astype(np.float32), ids, w)
+    with pytest.raises(ValueError, match=r"x: expected shape \(m, 256\)"):
+        linear(x[:, :128])
+    assert np.array_equal(moe(x, ids, w), moe(x, ids, w))
+
+
+def test_native_call_checks_the_shapes_it_copies(device):
+    with CommandRecorder(device) as rec, device.memory.allocate(64, kind="upload") as inp, \
+            device.memory.allocate(64, kind="readback") as out:
+        rec.begin()
+        rec.end()
+        call = fastcall.NativeCall(rec, [(inp, np.float32, (4, 4))], (out, np.float32, (16,)))
+        with pytest.raises(ValueError, match=r"expected an array of shape \(4, 4\), got \(2, 4\)"):
+            call.run([np.zeros((2, 4), np.float32)])
+        with pytest.raises(ValueError, match=r"does not fit"):
+            fastcall.NativeCall(rec, [(inp, np.float32, (32,))], (out, np.float32, (16,)))
+
+
+def test_timeout_raises_then_the_device_recovers(dev, layer, monkeypatch):
+    """A tiny VKMOE_TIMEOUT against a forward that runs longer: vkmoe.TimeoutError with the Python path's
+    message, from the native path; with the timeout back, the same op gives the right answer."""
+    L = layer
+    c = L.calls[-1]
+    x, ids, w = (np.tile(c[k], (64 // c[k].shape[0] + 1, 1))[:64] for k in ("x", "selected", "weights"))
+    with vkmoe.Exl3MoeMlp(dev, L.gate, L.up, L.down, activation="silu", dispatch="split") as op:
+        want = op(x, ids, w)
+        for recording in op._recorded.values():  # no spin (as on a CPU device): on a GPU it would catch the end
+            recording.rec.spin_s = 0.0
+        monkeypatch.setenv("VKMOE_TIMEOUT", "0.000001")
+        native = commands.native_submission_count()
+        with pytest.raises(vkmoe.TimeoutError, match=r"the GPU did not finish within 1e-06 s"):
+            for _ in range(20):  # (a forward of milliseconds on lavapipe, tens of us on a GPU: never within 1 us)
+                op(x, ids, w)
+        assert commands.native_submission_count() > native
+        monkeypatch.delenv("VKMOE_TIMEOUT")
+        assert np.array_equal(op(x, ids, w), want)
+
+
+def test_closed_device_raises_device_closed_error(layer):
+    L = layer
+    c = L.calls[0]
+    d = vkmoe.Device()
+    moe = vkmoe.Exl3MoeMlp(d, L.gate, L.up, L.down, activation="silu", dispatch="split")
+    lin = vkmoe.Exl3Linear(d, make_tensor(L.hidden_size, 256, 4, "mul1", seed=6))
+    for _ in range(2):
+        moe(c["x"], c["selected"], c["weights"]), lin(c["x"])
+    assert not d.take_validation_messages()
+    d.close()
+    with pytest.raises(DeviceClosedError, match="is closed"):
+        moe(c["x"], c["selected"], c["weights"])
+    with pytest.raises(DeviceClosedError, match="is closed"):
+        lin(c["x"])
+    moe.close(), lin.close()
+
+
+def test_spin_setting_reaches_the_native_wait(device, linear):
+    """CommandRecorder.spin_s, changed on a live recorder, is the C spin's too (both ends of the wait)."""
+    x = make_x(16, linear.k, seed=8)
+    expect = linear(x)
+    rec = linear._call_buffers(16)[2].rec
+    old = rec.spin_s
+    try:
+        for spin_s in (1.0, 1e-6):
+            rec.spin_s = spin_s
+            for _ in range(2):
+                got, n_native, _ = _counted(lambda: linear(x))
+                assert n_native == 1 and np.array_equal(got, expect) and not rec.pending
+    finally:
+        rec.spin_s = old
+
+
+def test_knob_defaults_to_the_native_path():
+    assert knobs.get("VKMOE_NATIVE_CALL", {}) is True
+    assert knobs.get("VKMOE_NATIVE_CALL", {"VKMOE_NATIVE_CALL": "off"}) is False

@@ -1,0 +1,60 @@
+"""RecordedCall: an op call's recorded command buffer with its mapped io buffers, and the host side of one call:
+write the inputs, ONE submission, wait, read the output. Exl3MoeMlp, Exl3Linear and the device block run every
+call through it.
+
+Two paths do the same. From a recording's second submission on, where vkmoe._native has it (and
+VKMOE_NATIVE_CALL is not 0), the native call path (vkmoe.vk.fastcall) does the copies, the submission and the
+wait in two C calls. Otherwise, and always for a recording's first submission (which may include the driver's
+lazy shader compile and gets the compile bound, CallTransfers.submit), numpy views of the mapped buffers and
+CommandRecorder.submit_held. DeviceArray inputs and outputs are copied on the device by CallTransfers' riders in
+the same submission on both paths.
+"""
+import math
+
+import numpy as np
+
+from ..vk import fastcall
+from .device_array import DeviceArray
+
+_U32 = np.dtype(np.uint32)
+
+
+class RecordedCall:
+    """`rec` (recorded, with the forward's commands) and its io: `inputs` [(Buffer, dtype, shape)] that the host
+    writes (mapped upload memory), `output` (Buffer, dtype, shape) that the host reads (mapped readback memory),
+    optionally followed by a status word."""
+
+    def __init__(self, rec, inputs, output):
+        self.rec, self.inputs, self.output = rec, list(inputs), output
+        self._status_offset = math.prod(output[2]) * np.dtype(output[1]).itemsize
+        self._native = None  # the fastcall.NativeCall, made at the first call that takes that path
+
+    def run(self, transfers, arrays, target=None, out_dtype=None):
+        """One call: `arrays` per input a numpy array of its shape (written, converted to its dtype) or a
+        DeviceArray (copied on the device); the output goes to the DeviceArray `target`, or (None) comes back
+        as a new numpy array of numpy dtype `out_dtype`. Returns that array, or None for a target. The caller
+        holds the op's call lock and device.use() (a closed device's memory is unmapped)."""
+        copies_in = [(a.buffer, buf, a.nbytes) for a, (buf, _, _) in zip(arrays, self.inputs)
+                     if isinstance(a, DeviceArray)] if DeviceArray in map(type, arrays) else ()
+        copies_out = [(self.output[0], target.buffer, target.nbytes)] if target is not None else ()
+        rec = self.rec
+        if rec.submissions and fastcall.enabled():
+            native = self._native
+            if native is None:
+                native = self._native = fastcall.NativeCall(rec, self.inputs, self.output)
+            before, after = transfers.riders(copies_in, copies_out) if copies_in or copies_out else ((), ())
+            if copies_in:
+                arrays = [None if isinstance(a, DeviceArray) else a for a in arrays]
+            return native.run(arrays, None if target is not None else out_dtype, before, after)
+        for a, (buf, dtype, shape) in zip(arrays, self.inputs):
+            if not isinstance(a, DeviceArray):
+                buf.host_view(dtype, shape)[...] = a
+        transfers.submit(rec, copies_in, copies_out)
+        if target is not None:
+            return None
+        buf, dtype, shape = self.output
+        return buf.host_view(dtype, shape).astype(out_dtype)
+
+    def status_word(self):
+        """The uint32 the recording copied right behind the output (a persistent launch's abort word)."""
+        return int(self.output[0].host_view(_U32, (1,), self._status_offset)[0])

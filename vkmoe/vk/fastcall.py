@@ -1,0 +1,136 @@
+"""The native call path: the host side of a recorded op call (write the inputs into mapped buffers, reset the
+fence, submit, wait, read the output) in two C calls of vkmoe._native (native/vkn_call.c) instead of numpy view
+writes and about ten calls into the `vulkan` binding (each a libffi call from Python). The C side spins on the fence for the recorder's spin
+time (CommandRecorder.spin_s); a longer wait is CommandRecorder._wait's, with VKMOE_TIMEOUT, as on the Python
+path.
+
+The C side links no Vulkan: it calls the same loader functions the binding calls, by the addresses the binding
+exposes, so validation layers see every call. vkmoe._native is optional (it is built with a C compiler); without
+it, or with VKMOE_NATIVE_CALL=0, `enabled()` is False and the ops run their Python path, which does the same.
+"""
+import numpy as np
+import vulkan as vk
+
+from .. import knobs
+from .errors import check
+
+try:
+    from .. import _native
+except ImportError:  # an unbuilt checkout: the Python path runs
+    _native = None
+# An older build of the module has only the CPU tier.
+_lib = _native.lib if _native is not None and hasattr(_native.lib, "vkn_call_submit") else None
+_ffi = _native.ffi if _lib is not None else None
+NULL = _ffi.NULL if _ffi is not None else None
+
+# The loader entry points the C side calls, by vkn_call field: (function name, the field's C type).
+_ENTRY_POINTS = {"reset_fences": ("vkResetFences", "vkn_reset_fences_fn"),
+                 "queue_submit": ("vkQueueSubmit", "vkn_queue_submit_fn"),
+                 "get_fence_status": ("vkGetFenceStatus", "vkn_get_fence_status_fn")}
+
+
+def available():
+    """Whether vkmoe._native has the call path (it is built with a C compiler; see README)."""
+    return _lib is not None
+
+
+def enabled():
+    """Whether op calls take the native call path now: available, and VKMOE_NATIVE_CALL is not 0."""
+    return _lib is not None and knobs.get("VKMOE_NATIVE_CALL")
+
+
+def _address(cdata):
+    return int(vk.ffi.cast("uintptr_t", cdata))
+
+
+def _conversions():
+    """{(from dtype, to dtype): vkn conversion code} of what the C side converts itself (exactly as numpy does);
+    a copy between equal dtypes is VKN_CONV_COPY, other pairs numpy converts first."""
+    pairs = ((np.int64, np.int32, _lib.VKN_CONV_I64_TO_I32), (np.float64, np.float32, _lib.VKN_CONV_F64_TO_F32),
+             (np.float16, np.float32, _lib.VKN_CONV_F16_TO_F32))
+    return {(np.dtype(a), np.dtype(b)): code for a, b, code in pairs}
+
+
+class _Slot:
+    """One mapped buffer of a call: its dtype and shape, and the conversions the C side does into it (`into`,
+    by source dtype) and out of it (`out_of`, by destination dtype)."""
+    __slots__ = ("dtype", "shape", "count", "into", "out_of")
+
+    def __init__(self, struct, buffer, dtype, shape):
+        if not buffer.mapped:
+            raise ValueError("the native call path needs host-mapped io buffers")
+        self.dtype, self.shape = np.dtype(dtype), tuple(shape)
+        struct.mapped = _ffi.cast("void *", _address(buffer.block.pointer + buffer.offset))
+        struct.count = self.count = int(np.prod(self.shape, dtype=np.int64))
+        struct.elem_bytes = self.dtype.itemsize
+        if struct.count * self.dtype.itemsize > buffer.size:
+            raise ValueError(f"{self.shape} {self.dtype} does not fit the {buffer.size}-byte buffer")
+        table = _conversions()
+        self.into = {self.dtype: _COPY, **{a: c for (a, b), c in table.items() if b == self.dtype}}
+        self.out_of = {self.dtype: _COPY, **{b: c for (a, b), c in table.items() if a == self.dtype}}
+
+
+class NativeCall:
+    """The vkn_call of one recorded op call: the entry points, the recorder's device, queue and fence, the
+    mapped buffers its host inputs go to (up to four: (Buffer, dtype, shape)) and its output comes from.
+    Valid while the recorder and the buffers are (the op frees them together)."""
+    PENDING = None  # set below: vkn_call_finish's "still running"
+
+    def __init__(self, rec, inputs, output):
+        if len(inputs) > _INPUTS:
+            raise ValueError(f"the native call path takes at most {_INPUTS} inputs, got {len(inputs)}")
+        self.rec, self.lib = rec, _lib
+        c = self.struct = _ffi.new("vkn_call *")
+        for field, (name, ctype) in _ENTRY_POINTS.items():
+            setattr(c, field, _ffi.cast(ctype, _address(vk.ffi.addressof(vk.lib, name))))
+        dev = rec.device
+        c.device = _ffi.cast("void *", _address(dev.handle))
+        c.queue = _ffi.cast("void *", _address(dev.queue))
+        c.fence = _ffi.cast("uint64_t *", _address(rec._fences))
+        c.spin_s = rec.spin_s
+        self.inputs = [_Slot(getattr(c, "in")[i], *spec) for i, spec in enumerate(inputs)]
+        self.output = _Slot(c.out, *output)
+
+    def run(self, arrays, out_dtype=None, before=(), after=()):
+        """Copy `arrays` (numpy arrays of the inputs' shapes, any dtype numpy can convert; None: the input is
+        not written, e.g. a DeviceArray copied by a rider) into the mapped inputs, submit with `before` /
+        `after` riders, wait, and return the output as a new numpy array of `out_dtype` (a numpy dtype; None:
+        no output copy, returns None). The caller holds device.use()."""
+        convs, sources, from_buffer = 0, [NULL] * _INPUTS, _ffi.from_buffer
+        for i, (slot, a) in enumerate(zip(self.inputs, arrays)):
+            if a is None:
+                continue
+            if a.size != slot.count:  # the C copy trusts the sizes: never read past an array (the op checked
+                raise ValueError(f"expected an array of shape {slot.shape}, got {a.shape}")  # the shape)
+            code = slot.into.get(a.dtype)
+            if code is None:
+                a, code = np.ascontiguousarray(a, slot.dtype), _COPY
+            try:
+                sources[i] = from_buffer(a)
+            except ValueError:  # not C-contiguous
+                a, code = np.ascontiguousarray(a, slot.dtype), _COPY
+                sources[i] = from_buffer(a)
+            convs |= code << (_CONV_BITS * i)
+        out, out_conv, dst = None, 0, NULL
+        if out_dtype is not None:
+            slot = self.output
+            out_conv = slot.out_of.get(out_dtype)
+            out = np.empty(slot.shape, slot.dtype if out_conv is None else out_dtype)
+            out_conv, dst = out_conv or 0, _ffi.from_buffer(out)
+        self.struct.spin_s = self.rec.spin_s  # (tests change it on a live recorder)
+        self.rec.submit_native(self, convs, sources, dst, out_conv, before, after)
+        if out is not None and out.dtype != out_dtype:  # a narrowing the C side does not do (numpy rounds)
+            out = out.astype(out_dtype)
+        return out
+
+    def raise_error(self, result):
+        """VulkanError naming the entry point that returned `result`."""
+        name = _FAILED_CALLS.get(self.struct.failed, "the native call path")
+        check(name, result)
+
+
+if _lib is not None:
+    NativeCall.PENDING = _lib.VKN_PENDING
+    _INPUTS, _CONV_BITS, _COPY = _lib.VKN_CALL_INPUTS, _lib.VKN_CONV_BITS, _lib.VKN_CONV_COPY
+    _FAILED_CALLS = {_lib.VKN_FAILED_RESET: "vkResetFences", _lib.VKN_FAILED_SUBMIT: "vkQueueSubmit",
+                     _lib.VKN_FAILED_STATUS: "vkGetFenceStatus"}
