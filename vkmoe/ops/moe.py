@@ -361,7 +361,15 @@ class Exl3MoeMlp:
         return {layout.SPEC_MOE_K_GATE: self.bits["gate"] or self.bits["up"], layout.SPEC_MOE_K_UP: self.bits["up"],
                 layout.SPEC_MOE_K_DOWN: self.bits["down"], layout.SPEC_MOE_CB: layout.CODEBOOKS[self.codebook],
                 layout.SPEC_MOE_ROWS: plan.rows, layout.SPEC_MOE_ACT: ACTIVATIONS[self.activation],
-                layout.SPEC_MOE_DIRECT: plan.direct}
+                layout.SPEC_MOE_DIRECT: plan.direct, **self._hadamard_pin(plan)}
+
+    def _hadamard_pin(self, plan):
+        """{SPEC_HAD_SUBGROUP: 0} where this layer's pipelines must keep the shared-memory Hadamard transform:
+        direct-mode gateless batches on Mesa 22.3's lavapipe (the driver with the loop cap), where the subgroup
+        build lost k-split arrivals of gate/up items (two of three never counted, so stage 3 never ran)."""
+        if plan.direct and not self.gated and self.device.quirks.get("loop_iteration_cap"):
+            return {layout.SPEC_HAD_SUBGROUP: 0}
+        return {}
 
     def _scratch_for(self, m, top_k):
         """The scratch of batch shape (m, top_k), made on first use. A server sees every m, so a new shape first
