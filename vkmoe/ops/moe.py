@@ -48,24 +48,13 @@ class MoePush(PushConstants):
 
 
 
-def moe_spec(plan, bits, codebook, activation, device):
+def moe_spec(plan, bits, codebook, activation):
     """The specialization constants of the MoE shaders for batch plan `plan` (ops.plan.MoePlan) of a layer with
-    `bits` {"gate", "up", "down"} (gate 0: gateless), `codebook` and `activation`, on `device`."""
+    `bits` {"gate", "up", "down"} (gate 0: gateless), `codebook` and `activation`."""
     return {layout.SPEC_MOE_K_GATE: bits["gate"] or bits["up"], layout.SPEC_MOE_K_UP: bits["up"],
             layout.SPEC_MOE_K_DOWN: bits["down"], layout.SPEC_MOE_CB: layout.CODEBOOKS[codebook],
             layout.SPEC_MOE_ROWS: plan.rows, layout.SPEC_MOE_ACT: ACTIVATIONS[activation],
-            layout.SPEC_MOE_DIRECT: plan.direct, **_hadamard_pin(plan, device)}
-
-
-def _hadamard_pin(plan, device):
-    """{SPEC_HAD_SUBGROUP: 0} where a layer's pipelines must keep the shared-memory Hadamard transform:
-    direct-mode batches on Mesa 22.3's lavapipe (the driver with the loop cap). There the subgroup build lost
-    gate/up k-split arrivals when a split's k-range was not a multiple of 4 tiles (kt_gu = 6: two of three
-    never counted, so stage 3 never ran), even with a direct stage 1 reduced to one store and a barrier;
-    Mesa 25 runs it right. The cause is not found."""
-    if plan.direct and device.quirks.get("loop_iteration_cap"):
-        return {layout.SPEC_HAD_SUBGROUP: 0}
-    return {}
+            layout.SPEC_MOE_DIRECT: plan.direct}
 
 
 def split_kernels(device, plan, spec, H, I, gated):
@@ -409,7 +398,7 @@ class Exl3MoeMlp:
 
     # ----------------------------------------------------------------------------------------- recording
     def _spec(self, plan):
-        return moe_spec(plan, self.bits, self.codebook, self.activation, self.device)
+        return moe_spec(plan, self.bits, self.codebook, self.activation)
 
     def _scratch_for(self, m, top_k):
         """The scratch of batch shape (m, top_k), made on first use. A server sees every m, so a new shape first
