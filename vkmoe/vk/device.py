@@ -199,7 +199,7 @@ class _DeviceHold:
 
     def __enter__(self):
         d = self._device
-        with d._use_lock:  # (the plain lock under d._idle: a Condition's own `with` is two Python calls more)
+        with d._use_lock:  # (the lock under d._idle: a Condition's own `with` is two Python calls more)
             d.check_open()
             d._in_use += 1
         return d
@@ -231,7 +231,8 @@ class Device:
         # Calls into the driver in progress (`use()`); close() waits for them, so another thread's forward
         # ends with DeviceClosedError instead of touching destroyed objects.
         self._in_use = 0
-        self._use_lock = threading.Lock()
+        # Reentrant: a finalizer that a garbage collection runs inside a use() block may close objects itself.
+        self._use_lock = threading.RLock()
         self._idle = threading.Condition(self._use_lock)
         self._hold = _DeviceHold(self)
         self.validation = _validation_requested()

@@ -212,7 +212,13 @@ class MemoryManager:
 
     def __init__(self, device):
         self.device = device
-        self._lock = threading.Lock()
+        # Reentrant, and _busy says this thread is inside allocate()/release(): a garbage collection that runs
+        # there (any allocation of a Python object may start one) can run a dropped layer's finalizer, which
+        # closes its buffers and so calls release() on this thread. A plain lock deadlocked there (seen in the
+        # full suite on lavapipe); such a release is deferred until the outer call is done with the blocks.
+        self._lock = threading.RLock()
+        self._busy = False
+        self._deferred = []
         self._blocks = {kind: [] for kind in KINDS}
         props = vk.vkGetPhysicalDeviceMemoryProperties(device.physical)
         types = [(i, props.memoryTypes[i].propertyFlags, props.memoryTypes[i].heapIndex)
@@ -258,24 +264,33 @@ class MemoryManager:
         size = -(-nbytes // 16) * 16
         mapped = kind != "device" or self.device_mappable
         with self.device.use(), self._lock:
-            blocks = self._blocks[kind]
-            for block in blocks:
-                offset = block.allocate(size, self.alignment)
-                if offset is not None:
-                    return Buffer(self, block, offset, nbytes, kind)
-            block_bytes = IO_BLOCK_BYTES if kind in ("upload", "readback") else BLOCK_BYTES
+            outer, self._busy = self._busy, True
             try:
-                block = _Block(self, max(block_bytes, size), self._types[kind], mapped)
-            except VkmoeError:
-                if kind != "upload" or self.upload_type == self.host_type:
-                    raise
-                # The device-local host-visible heap is small and may be full: host memory serves as well.
-                kind = "readback"
-                blocks = self._blocks[kind]
-                block = _Block(self, max(block_bytes, size), self._types[kind], mapped)
-            blocks.append(block)
+                return self._allocate_locked(size, nbytes, kind, mapped)
+            finally:
+                self._busy = outer
+                if not outer:
+                    self._release_deferred()
+
+    def _allocate_locked(self, size, nbytes, kind, mapped):
+        blocks = self._blocks[kind]
+        for block in blocks:
             offset = block.allocate(size, self.alignment)
-            return Buffer(self, block, offset, nbytes, kind)
+            if offset is not None:
+                return Buffer(self, block, offset, nbytes, kind)
+        block_bytes = IO_BLOCK_BYTES if kind in ("upload", "readback") else BLOCK_BYTES
+        try:
+            block = _Block(self, max(block_bytes, size), self._types[kind], mapped)
+        except VkmoeError:
+            if kind != "upload" or self.upload_type == self.host_type:
+                raise
+            # The device-local host-visible heap is small and may be full: host memory serves as well.
+            kind = "readback"
+            blocks = self._blocks[kind]
+            block = _Block(self, max(block_bytes, size), self._types[kind], mapped)
+        blocks.append(block)
+        offset = block.allocate(size, self.alignment)
+        return Buffer(self, block, offset, nbytes, kind)
 
     def allocate_all(self, sizes, kinds=None):
         """Buffers of the given byte sizes (and KINDS, default device memory), all or none: every size is checked
@@ -298,14 +313,35 @@ class MemoryManager:
         return done
 
     def release(self, buf):
-        size = -(-buf.size // 16) * 16
         with self._lock:
-            buf.block.release(buf.offset, size)
-            blocks = self._blocks[buf.kind]
-            # Keep one empty block per kind for reuse; give the others back to the driver.
-            if buf.block.empty and sum(b.empty for b in blocks) > 1:
-                blocks.remove(buf.block)
-                buf.block.destroy()
+            if self._busy:  # re-entered from a finalizer inside allocate()/release() (see __init__)
+                self._deferred.append(buf)
+                return
+            self._busy = True
+            try:
+                self._release_locked(buf)
+            finally:
+                self._busy = False
+                self._release_deferred()
+
+    def _release_deferred(self):
+        """Release the buffers deferred while this thread was inside allocate()/release() (lock held)."""
+        while self._deferred:
+            buf = self._deferred.pop()
+            self._busy = True
+            try:
+                self._release_locked(buf)
+            finally:
+                self._busy = False
+
+    def _release_locked(self, buf):
+        size = -(-buf.size // 16) * 16
+        buf.block.release(buf.offset, size)
+        blocks = self._blocks[buf.kind]
+        # Keep one empty block per kind for reuse; give the others back to the driver.
+        if buf.block.empty and sum(b.empty for b in blocks) > 1:
+            blocks.remove(buf.block)
+            buf.block.destroy()
 
     def block_count(self):
         return sum(len(b) for b in self._blocks.values())
