@@ -105,15 +105,9 @@ void coop_store_a(uvec4 a[COOP_A_VEC4 / WG_SIZE]) {
 }
 
 #ifdef COOP_EMULATE
-// fp16 element e of shared line `line` (A row or Ŵ column)
-float coop_emu_at_a(uint line, uint e) {
-    uint w = coop_a4[line * COOP_LINE4 + e / 8u][(e / 2u) % 4u];
-    return unpackHalf2x16(w)[e % 2u];
-}
-float coop_emu_at_b(uint line, uint e) {
-    uint w = coop_b4[line * COOP_LINE4 + e / 8u][(e / 2u) % 4u];
-    return unpackHalf2x16(w)[e % 2u];
-}
+// fp16 element e of shared line `line` of ARR (coop_a4: an A row, coop_b4: a weight column). A macro: GLSL passes
+// arrays by value, so a function would copy the shared tile.
+#define COOP_EMU_AT(ARR, line, e) unpackHalf2x16(ARR[(line) * COOP_LINE4 + (e) / 8u][((e) / 2u) % 4u])[(e) % 2u]
 
 void coop_emu_multiply_step() {
     uint lane = gl_LocalInvocationID.x & 31u, sm = COOP_SG / COOP_SG_N, sn = COOP_SG % COOP_SG_N;
@@ -123,7 +117,7 @@ void coop_emu_multiply_step() {
                 uint row = (sm * COOP_SMT + i) * 16u + (lane * 8u + e) / 16u;
                 uint col = (sn * COOP_SNT + j) * 16u + (lane * 8u + e) % 16u;
                 for (uint kx = 0u; kx < COOP_KDEPTH; ++kx)
-                    coop_emu[(i * COOP_SNT + j) * 8u + e] += coop_emu_at_a(row, kx) * coop_emu_at_b(col, kx);
+                    coop_emu[(i * COOP_SNT + j) * 8u + e] += COOP_EMU_AT(coop_a4, row, kx) * COOP_EMU_AT(coop_b4, col, kx);
             }
 }
 
