@@ -65,9 +65,8 @@ class _Slot:
         struct.elem_bytes = self.dtype.itemsize
         if struct.count * self.dtype.itemsize > buffer.size:
             raise ValueError(f"{self.shape} {self.dtype} does not fit the {buffer.size}-byte buffer")
-        table = _conversions()
-        self.into = {self.dtype: _COPY, **{a: c for (a, b), c in table.items() if b == self.dtype}}
-        self.out_of = {self.dtype: _COPY, **{b: c for (a, b), c in table.items() if a == self.dtype}}
+        self.into = {self.dtype: _COPY, **{a: c for (a, b), c in _CONVERSIONS.items() if b == self.dtype}}
+        self.out_of = {self.dtype: _COPY, **{b: c for (a, b), c in _CONVERSIONS.items() if a == self.dtype}}
 
 
 class NativeCall:
@@ -131,6 +130,7 @@ class NativeCall:
 
 if _lib is not None:
     NativeCall.PENDING = _lib.VKN_PENDING
+    _CONVERSIONS = _conversions()  # built once, not per mapped buffer
     _INPUTS, _CONV_BITS, _COPY = _lib.VKN_CALL_INPUTS, _lib.VKN_CONV_BITS, _lib.VKN_CONV_COPY
     _FAILED_CALLS = {_lib.VKN_FAILED_RESET: "vkResetFences", _lib.VKN_FAILED_SUBMIT: "vkQueueSubmit",
                      _lib.VKN_FAILED_STATUS: "vkGetFenceStatus"}
