@@ -5,18 +5,17 @@
 #ifndef LINEAR_TAIL_GLSL
 #define LINEAR_TAIL_GLSL
 
+#include "split_sum.glsl"
+
 // Rows row0 .. row0+nr-1 of one band; split s of a row's partial is at s * split_stride + row * n + column.
 void linear_output_band(uint band, uint row0, uint nr, uint split_stride) {
     uint tid = gl_LocalInvocationID.x;
     for (uint r0 = 0u; r0 < nr; r0 += 4u) {
         for (uint i = tid; i < 4u * BAND; i += WG_SIZE) {
             uint rr = i / BAND, col = i % BAND;
-            float v = 0.0;
-            if (r0 + rr < nr) {
-                uint e = (row0 + r0 + rr) * pc.n + band * BAND + col;
-                for (uint s = 0u; s < pc.splits; ++s) v += partial[s * split_stride + e];
-            }
-            had_buf[i] = v;
+            // Every lane sums (split_sum's loop must not diverge); rows past the chunk read a valid row, dropped.
+            float v = split_sum((row0 + min(r0 + rr, nr - 1u)) * pc.n + band * BAND + col, split_stride, pc.splits);
+            had_buf[i] = r0 + rr < nr ? v : 0.0;
         }
         barrier();
         had_fwht(4u);

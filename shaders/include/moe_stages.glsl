@@ -310,6 +310,7 @@ float activate(float g, float u) {
 // ------------------------------------------------------------------- shared GEMM plumbing of stages 2 and 4
 #define LAST_ARRIVAL_BUF sync_words
 #include "last_arrival.glsl"
+#include "split_sum.glsl"
 shared uint s_token_done[4];  // 16 bytes (see coop_row)
 
 // Rows of one k-split's GEMM partial. The FMA core stores a chunk's rows at their sorted positions p0 ..; the
@@ -426,9 +427,8 @@ void moe_gate_up(uint item) {
 
 // Partial row q (partial_row0) of projection proj, summed over the k-splits.
 float gu_sum(uint proj, uint q, uint col) {
-    float v = 0.0;
-    for (uint s = 0u; s < pc.splits_gu; ++s) v += partial[((proj * pc.splits_gu + s) * partial_rows() + q) * pc.I + col];
-    return rn16(v);  // the fp16 GEMM output Ig / Iu
+    uint first = (proj * pc.splits_gu * partial_rows() + q) * pc.I + col;
+    return rn16(split_sum(first, partial_rows() * pc.I, pc.splits_gu));  // the fp16 GEMM output Ig / Iu
 }
 
 // Rows of one chunk, one 128-band of I: u = had_out(Iu, up.svh), g = had_out(Ig, gate.svh), p = act(g) * u,
@@ -520,9 +520,8 @@ void moe_stage5(uint e, uint p0, uint q0, uint nr, uint band) {
     for (uint r0 = 0u; r0 < nr; r0 += 4u) {
         for (uint i = tid; i < 4u * 128u; i += WG_SIZE) {
             uint rr = i >> 7, col = band * 128u + (i & 127u);
-            float v = 0.0;
             uint q = q0 + min(r0 + rr, nr - 1u);  // every lane loops the same (see gu_sum's caller)
-            for (uint s = 0u; s < pc.splits_d; ++s) v += partial[partial_down() + (s * partial_rows() + q) * pc.H + col];
+            float v = split_sum(partial_down() + q * pc.H + col, partial_rows() * pc.H, pc.splits_d);
             had_buf[i] = r0 + rr < nr ? rn16(v) : 0.0;  // the fp16 down GEMM output
         }
         barrier();

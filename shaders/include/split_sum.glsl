@@ -1,0 +1,25 @@
+// The sum of a band element's fp32 k-split partials, read by the last arrival of a band (last_arrival.glsl) before
+// its tail. Shared by the linear's tail (linear_tail.glsl) and the MoE stages 3 and 5 (moe_stages.glsl); the
+// includer declares partial[].
+#ifndef SPLIT_SUM_GLSL
+#define SPLIT_SUM_GLSL
+
+// Partials read per round: independent loads the compiler issues together. A loop over the push-constant split
+// count with one load per iteration waited a full round trip to L2 per split, and the tail of a band is on the
+// critical path of every decode step (H200, Qwen3 shape, m = 1: BENCHMARKS.md).
+#define SPLIT_SUM_BATCH 8u
+
+// partial[first] + partial[first + stride] + ... (n terms), added in split order: the same bits as the plain loop.
+// Loads past the last split read the last one again (a valid address) and are not added. Every invocation of a
+// workgroup must call it with the same n (the loop's trip count, see hadamard128.glsl on Mesa 22.3).
+float split_sum(uint first, uint stride, uint n) {
+    float v = 0.0;
+    for (uint s0 = 0u; s0 < n; s0 += SPLIT_SUM_BATCH) {
+        float x[SPLIT_SUM_BATCH];
+        [[unroll]] for (uint j = 0u; j < SPLIT_SUM_BATCH; ++j) x[j] = partial[first + min(s0 + j, n - 1u) * stride];
+        [[unroll]] for (uint j = 0u; j < SPLIT_SUM_BATCH; ++j) if (s0 + j < n) v += x[j];
+    }
+    return v;
+}
+
+#endif
