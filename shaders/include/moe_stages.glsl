@@ -479,6 +479,7 @@ uint down_items_per_chunk() { return (pc.H / 128u) * pc.splits_d; }
 uint partial_down() { return pc.num_workgroups != 0u ? 2u * pc.splits_gu * partial_rows() * pc.I : 0u; }
 
 void moe_stage5(uint e, uint p0, uint q0, uint nr, uint band);
+void moe_stage5_token(uint t, uint band);
 
 void moe_down(uint item) {
     uint s = item % pc.splits_d;
@@ -495,6 +496,7 @@ void moe_down(uint item) {
     uint kt0 = s * pc.kt_d, kt1 = min(tiles_k, kt0 + pc.kt_d);
     uint b_base = e * tiles_k * tiles_n * 8u * uint(K_DOWN), q0 = partial_row0(c, p0);
     uint counter = counters_d() + c * (pc.H / 128u) + band, base = partial_down() + s * partial_rows() * pc.H;
+    uint t = c / pc.top_k;  // direct mode: the chunk's token
 #ifdef MOE_COOP
     uint tid = gl_LocalInvocationID.x;
     if (tid < COOP_BM) coop_row[tid] = p0 + min(tid, nr - 1u);  // inter rows are the chunk's sorted rows
@@ -510,9 +512,50 @@ void moe_down(uint item) {
     moe_dep_target = pc.I / 128u;
 #endif
     gemm_accumulate(A_INTER, 2, K_DOWN, CB, nr, b_base, tiles_n, band, kt0, kt1);
-    bool last = gemm_finish_partial(base, pc.H, p0, nr, band, counter, pc.splits_d);
+    // Direct mode counts every (slot, k-split) of the token's band on one counter (moe_stage5_token).
+    uint arrivals = DIRECT ? moe_token_slots(t) * pc.splits_d : pc.splits_d;
+    if (DIRECT) counter = counters_tok() + t * (pc.H / 128u) + band;
+    bool last = gemm_finish_partial(base, pc.H, p0, nr, band, counter, arrivals);
 #endif
-    if (last) moe_stage5(e, p0, q0, nr, band);
+    if (last) {
+        if (DIRECT) moe_stage5_token(t, band);
+        else moe_stage5(e, p0, q0, nr, band);
+    }
+}
+
+// Direct mode: the last of all (slot, k-split) arrivals of token t's band applies each slot's output Hadamard,
+// routing weight and svh and sums the slots in slot order into out_h: the same arithmetic as moe_stage5, in one
+// reduction level instead of a tail per slot and then a token sum after a second counter (that second level cost
+// 5.2 us of the 17.8 us down phase of the Qwen3 shape at m = 1 on the H200: BENCHMARKS.md).
+void moe_stage5_token(uint t, uint band) {
+    uint tid = gl_LocalInvocationID.x;
+    float acc = 0.0;  // invocations < 128: column band * 128 + tid
+    for (uint s0 = 0u; s0 < pc.top_k; s0 += 4u) {  // 4 slots per pass (had rows)
+        for (uint i = tid; i < 4u * 128u; i += WG_SIZE) {
+            uint rr = i >> 7, col = band * 128u + (i & 127u), f = t * pc.top_k + min(s0 + rr, pc.top_k - 1u);
+            // every lane sums (split_sum's loop must not diverge); slots past top_k or without expert give 0
+            float v = split_sum(partial_down() + f * pc.H + col, partial_rows() * pc.H, pc.splits_d);
+            had_buf[i] = (s0 + rr < pc.top_k && valid_expert(expert_ids[f])) ? rn16(v) : 0.0;  // fp16 GEMM output
+        }
+        barrier();
+        had_fwht(4u);
+        for (uint i = tid; i < 4u * 128u; i += WG_SIZE) {
+            uint rr = i >> 7, col = band * 128u + (i & 127u), f = t * pc.top_k + s0 + rr;
+            int e = s0 + rr < pc.top_k ? expert_ids[f] : -1;
+            if (valid_expert(e)) {
+                uint se = uint(e) * pc.H + col;
+                had_buf[i] = (had_buf[i] * (HAD_SCALE * rn16(expert_weights[f]))) * f16_at(down_svh[se >> 1], se);
+            }
+        }
+        barrier();
+        if (tid < 128u) {
+            [[unroll]] for (uint rr = 0u; rr < 4u; ++rr)
+                if (s0 + rr < pc.top_k && valid_expert(expert_ids[t * pc.top_k + s0 + rr]))
+                    acc += had_buf[rr * 128u + tid];
+        }
+        barrier();
+    }
+    if (tid < 128u) out_h[t * pc.H + band * 128u + tid] = acc;
 }
 
 void moe_stage5(uint e, uint p0, uint q0, uint nr, uint band) {
