@@ -265,17 +265,18 @@ class CommandRecorder:
             self._wait(timeout)
         return self
 
-    def submit_native(self, call, convs, sources, dst, out_conv, before=(), after=()):
+    def submit_native(self, call, convs, checks, sources, dst, out_conv, before=(), after=()):
         """submit_held(wait=True) through the native call path (vkmoe.vk.fastcall.NativeCall `call`, made for
         this recorder): the host inputs `sources` (4 cdata pointers or NULL, converted by the packed `convs`) are
-        copied into their mapped buffers, the fence reset, the buffer submitted and waited for, and the output
-        copied into `dst` (NULL: none) by two C calls. Same checks, bookkeeping, errors and timeout as
+        checked against their rules (the slots in the bit mask `checks`: call.raise_error raises when one breaks
+        its rule, before anything is copied or submitted) and copied into their mapped buffers, the fence reset,
+        the buffer submitted and waited for, and the output copied into `dst` (NULL: none) by two C calls. Same checks, bookkeeping, errors and timeout as
         submit_held + wait; the caller holds device.use()."""
         global _native_submissions
         dev, lib, c = self.device, call.lib, call.struct
         riders, info = self._prepare_submit(None, before, after)
         with dev._lock:
-            result = lib.vkn_call_submit(c, info, convs, *sources)
+            result = lib.vkn_call_submit(c, info, convs, checks, *sources)
             if result:
                 call.raise_error(result)
             self._submitted(riders)
