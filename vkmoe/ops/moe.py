@@ -200,11 +200,16 @@ class _Recording:
 
 
 class RunResult(NamedTuple):
-    """What one submitted forward gave: the output, its GPU time (read from the timestamps when gpu_ms is asked
-    for), and the abort code (0: the output is valid)."""
+    """What one submitted forward gave: the output, the submission ((CommandRecorder, its submission number):
+    the GPU time is read from the timestamps when asked for) and the abort code (0: the output is valid)."""
     out: np.ndarray
-    gpu_time: GpuTime
+    submitted: tuple
     abort_code: int
+
+    @property
+    def gpu_time(self) -> GpuTime:
+        rec, number = self.submitted
+        return rec.gpu_time_of(number)
 
     @property
     def gpu_ms(self) -> float:
@@ -250,6 +255,8 @@ def _run_report(mode, requested, reason, fallback, plan, pplan, gpu_ms, wall_ms)
             "plan": plan.as_dict() if plan else None, "persistent_plan": pplan.as_dict() if pplan else None,
             "workgroups": pplan.workgroups if ran_persistent else None,
             "groups": pplan.groups if ran_persistent else None, "gpu_ms": gpu_ms, "wall_ms": wall_ms}
+
+
 def _check_call_routing(E, arrays):
     """check_op_routing on a call's (hidden, ids, weights): RecordedCall.run's `check` (see _run)."""
     check_op_routing(arrays[1], arrays[2], E)
@@ -365,7 +372,6 @@ class Exl3MoeMlp:
         self._split_path = _SplitPath(self)
         self._check_routing = functools.partial(_check_call_routing, E)  # a __call__'s routing rules (_run)
         self._last_run = None  # the last_run dict, or a function making it (see last_run)
-        self._last_gpu_time = None  # the GpuTime that function reads
         # A layer dropped without close() still frees its device memory (not at interpreter exit: by then the
         # process gives everything back anyway).
         projections = (gate, up, down) if gate is not None else (up, down)
@@ -376,12 +382,14 @@ class Exl3MoeMlp:
     def last_run(self):
         """How the last call ran: a dict (README, "moe.last_run"), made when first read: a runtime calling every
         layer for every token rarely reads it, and its gpu_ms is a driver call (vkmoe.vk.GpuTime). The previous
-        call's report, if not read before the next call submits, loses its gpu_ms (NaN): seen only when that call
-        fails afterwards, or by a read racing it from another thread."""
-        report = self._last_run
-        if callable(report):
-            report = self._last_run = report()
-        return report
+        call's report, if not read before a next call submits the same recording (shape and mode), loses its
+        gpu_ms (NaN): seen only when that call fails afterwards (a read from another thread waits for a running
+        call, then reads that call's report)."""
+        with self._call_lock:  # (its GPU time is read before another call can submit)
+            report = self._last_run
+            if callable(report):
+                report = self._last_run = report()
+            return report
 
     @property
     def dispatch(self):
@@ -411,16 +419,20 @@ class Exl3MoeMlp:
     def _scratch_for(self, m, top_k):
         """The scratch of batch shape (m, top_k), made on first use. A server sees every m, so a new shape first
         evicts the least recently used ones beyond VKMOE_SHAPE_CACHE (pinned shapes excepted)."""
-        key = (m, top_k)
         with self._call_lock:
-            scratch = self._scratch.get(key)
-            if scratch is not None:
-                self._scratch.move_to_end(key)
-                return scratch
-            self._evict_shapes(knobs.get("VKMOE_SHAPE_CACHE") - 1)
-            plan = moe_plan(self.device, m, top_k, self.plan_experts, self.H, self.I, self.gated)
-            self._scratch[key] = _Scratch(self.device, plan, self.H, self.I, self.rows_kind)
-            return self._scratch[key]
+            return self._scratch_locked(m, top_k)
+
+    def _scratch_locked(self, m, top_k):
+        """_scratch_for for a caller holding the call lock (a call's path: re-entering it costs ~0.3 us)."""
+        key = (m, top_k)
+        scratch = self._scratch.get(key)
+        if scratch is not None:
+            self._scratch.move_to_end(key)
+            return scratch
+        self._evict_shapes(knobs.get("VKMOE_SHAPE_CACHE") - 1)
+        plan = moe_plan(self.device, m, top_k, self.plan_experts, self.H, self.I, self.gated)
+        self._scratch[key] = _Scratch(self.device, plan, self.H, self.I, self.rows_kind)
+        return self._scratch[key]
 
     def _evict_shapes(self, keep):
         """Free the recordings, io buffers and scratch of the least recently used unpinned shapes until `keep`
@@ -678,12 +690,10 @@ class Exl3MoeMlp:
         """Run in the mode vkmoe.sched decides; a persistent launch that aborted (a bounded spin ran out) is
         re-run split on the same inputs. Sets last_run; returns the output."""
         start = time.perf_counter()
-        scratch = self._scratch_for(m, top_k)
+        scratch = self._scratch_locked(m, top_k)
         decision = decide(self.device, scratch.plan, requested, self.E, self.H, self.I, self.gated,
                           lambda: self.co_resident(scratch.plan), scratch.persistent_fits)
         mode, fallback = decision.mode, None
-        if self._last_gpu_time is not None:  # the last report's GPU time, not read by now, is not wanted:
-            self._last_gpu_time.forget()     # the coming submission need not read it first
         if mode == "persistent":
             result = self.run_persistent(hidden, ids, weights, m, top_k, decision.plan, check)
             if result.abort_code:
@@ -696,10 +706,10 @@ class Exl3MoeMlp:
             result = self._run_path(self._split_path, hidden, ids, weights, m, top_k, check)
             if requested == "persistent":  # a request not honoured; an ordinary auto decision is only `reason`
                 fallback = decision.reason
-        plan, gpu_time, wall_ms = scratch.plan, result.gpu_time, (time.perf_counter() - start) * 1e3
-        self._last_gpu_time = gpu_time
+        plan, wall_ms = scratch.plan, (time.perf_counter() - start) * 1e3
+        # (the report, with its GPU time, is made only if read: see last_run)
         self._last_run = lambda: _run_report(mode, requested, decision.reason, fallback, plan, decision.plan,
-                                             gpu_time.ms, wall_ms)
+                                             result.gpu_ms, wall_ms)
         return result.out
 
     def _io_for(self, m, top_k):
@@ -717,23 +727,28 @@ class Exl3MoeMlp:
 
     def _run(self, hidden, ids, weights, m, top_k, key, record_body, status=False, check=False):
         """Write the inputs, submit the command buffer recorded for (m, top_k, key) ONCE, wait; returns
-        (out, GpuTime, scratch, abort word). Recorded on first use: the output poisoned with NaN first (an element
+        (out, (the recorder, its submission number: RunResult.gpu_time), scratch, abort word). Recorded on first use: the output poisoned with NaN first (an element
         no stage writes stays NaN), with status=True the sync area's abort word copied behind the output.
         hidden may be a DeviceArray, and the output may go to the DeviceArray of _call_options.out (then out
         is None): their copies are recorded per call and ride on the same submission (CallTransfers). ids and
         weights: any integer / float arrays of shape (m, top_k), written as int32 / float32. check=True: their
         values are checked first (check_op_routing; the native path does it in C as it copies them)."""
         with self._call_lock:  # one forward at a time per layer: the io and scratch buffers are per layer
-            recording = self._recorded.get((m, top_k, key))
-            if recording is None:
-                recording = self._recorded[(m, top_k, key)] = self._record_run(m, top_k, record_body, status)
-            # The io buffers are mapped: written and read under ONE hold of the device (a closed device's memory
-            # is unmapped; close() waits for this block instead).
-            with self.device.use():
-                out = recording.call.run(self._transfers, (hidden, ids, weights), self._call_options.out, _F32,
-                                         self._check_routing if check else None)
-                abort = recording.call.status_word() if status else 0
-        return out, recording.rec.gpu_time(), recording.scratch, abort
+            return self._run_locked(hidden, ids, weights, m, top_k, key, record_body, status, check)
+
+    def _run_locked(self, hidden, ids, weights, m, top_k, key, record_body, status, check):
+        """_run for a caller holding the call lock (a call's path: re-entering it costs ~0.3 us)."""
+        recording = self._recorded.get((m, top_k, key))
+        if recording is None:
+            recording = self._recorded[(m, top_k, key)] = self._record_run(m, top_k, record_body, status)
+        # The io buffers are mapped: written and read under ONE hold of the device (a closed device's memory
+        # is unmapped; close() waits for this block instead).
+        with self.device.use():
+            out = recording.call.run(self._transfers, (hidden, ids, weights), self._call_options.out, _F32,
+                                     self._check_routing if check else None)
+            abort = recording.call.status_word() if status else 0
+        rec = recording.rec
+        return out, (rec, rec.submissions), recording.scratch, abort
 
     def _record_run(self, m, top_k, record_body, status):
         """_run's recording: the output poisoned with NaN, record_body's commands between two timestamps, the
@@ -763,19 +778,22 @@ class Exl3MoeMlp:
         return _Recording(rec, sets or (), scratch, call)
 
     def _run_path(self, path, hidden, ids, weights, m, top_k, check=False):
-        out, gpu_time, scratch, status = self._run(hidden, ids, weights, m, top_k, path.key, path.record,
-                                                   status=path.reads_status, check=check)
+        """Run `path` (the caller holds the call lock); returns a RunResult."""
+        out, submitted, scratch, status = self._run_locked(hidden, ids, weights, m, top_k, path.key, path.record,
+                                                          path.reads_status, check)
         scratch.last_status = status
-        return RunResult(out, gpu_time, path.check(scratch))
+        return RunResult(out, submitted, path.check(scratch))
 
     def run_split(self, hidden, ids, weights, m, top_k, check=False):
         """Upload, run the split path (output poisoned first), wait; returns a RunResult (abort_code 0)."""
-        return self._run_path(self._split_path, hidden, ids, weights, m, top_k, check)
+        with self._call_lock:
+            return self._run_path(self._split_path, hidden, ids, weights, m, top_k, check)
 
     def run_persistent(self, hidden, ids, weights, m, top_k, pplan, check=False):
         """Upload, run the persistent kernel, wait; returns a RunResult. A non-zero abort code means the output
         is not valid (the caller re-runs split after resetting the sync area)."""
-        return self._run_path(_PersistentPath(self, pplan), hidden, ids, weights, m, top_k, check)
+        with self._call_lock:
+            return self._run_path(_PersistentPath(self, pplan), hidden, ids, weights, m, top_k, check)
 
     def forward_sorted(self, hidden: np.ndarray, expert_count, token_sorted, weight_sorted,
                        dispatch: "str | None" = None, out_dtype=np.float32) -> np.ndarray:
@@ -832,6 +850,7 @@ class Exl3MoeMlp:
 
     def close(self):
         with self._call_lock:  # after a call running in another thread, never under it
+            self.last_run  # noqa: B018 - made now, while the recording whose GPU time it reads exists
             self._transfers.close()
             _release_layer(*self._resources)
             self._pinned.clear()

@@ -88,6 +88,10 @@ class GpuTime:
             rec._gpu_time = None  # the recorder's next gpu_time() makes a new one
 
 
+UNREAD_GPU_TIME = GpuTime(None)  # the GpuTime of a submission whose results are gone: ms NaN
+UNREAD_GPU_TIME._ms = float("nan")
+
+
 class CommandRecorder:
     """A command buffer with its own pool, fence and timestamp query pool.
 
@@ -409,6 +413,16 @@ class CommandRecorder:
             t = GpuTime(self)
             self._gpu_time = weakref.ref(t)
         return t
+
+    def gpu_time_of(self, submission):
+        """The GpuTime of this recorder's submission that made `submissions` equal to `submission`, for a caller
+        that keeps that number rather than make a GpuTime for every submission (an op, whose report a runtime
+        rarely reads): gpu_time() while no later submission has overwritten its results, else UNREAD_GPU_TIME
+        (ms NaN). The caller orders this after that submission and before any other (an op: under its call
+        lock)."""
+        if self.handle is None or self.submissions != submission:
+            return UNREAD_GPU_TIME
+        return self.gpu_time()
 
     def _settle_gpu_time(self):
         """Before the query results are overwritten or freed: read them into the last submission's GpuTime if

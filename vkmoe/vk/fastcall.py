@@ -116,7 +116,7 @@ class NativeCall:
         c.device = _ffi.cast("void *", _address(dev.handle))
         c.queue = _ffi.cast("void *", _address(dev.queue))
         c.fence = _ffi.cast("uint64_t *", _address(rec._fences))
-        c.spin_s = rec.spin_s
+        c.spin_s = self._spin_s = rec.spin_s  # (_spin_s: what the struct holds, compared without cffi)
         self.inputs = [_Slot(i, getattr(c, "in")[i], *spec) for i, spec in enumerate(inputs)]
         self.output = _Slot(None, c.out, *output)
 
@@ -160,7 +160,8 @@ class NativeCall:
             out_conv = slot.out_of.get(out_dtype)
             out = np.empty(slot.shape, slot.dtype if out_conv is None else out_dtype)
             out_conv, dst = out_conv or 0, _ffi.from_buffer(out)
-        self.struct.spin_s = self.rec.spin_s  # (tests change it on a live recorder)
+        if self.rec.spin_s != self._spin_s:  # (tests change it on a live recorder)
+            self.struct.spin_s = self._spin_s = self.rec.spin_s
         try:
             self.rec.submit_native(self, convs, checks, sources, dst, out_conv, before, after)
         except _Rejected:
