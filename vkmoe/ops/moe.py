@@ -216,6 +216,10 @@ class RunResult(NamedTuple):
         return self.gpu_time.ms
 
 
+# RunResult((out, submitted, abort_code)) without the Python-level __new__ of a NamedTuple (every call makes one)
+_run_result = functools.partial(tuple.__new__, RunResult)
+
+
 class _SplitPath:
     """The three split dispatches: always safe, nothing to check after the submission."""
     mode = "split"
@@ -371,7 +375,7 @@ class Exl3MoeMlp:
         self._call_options = _CallOptions()         # per call: the DeviceArray the output goes to, if any
         self._split_path = _SplitPath(self)
         self._check_routing = functools.partial(_check_call_routing, E)  # a __call__'s routing rules (_run)
-        self._last_run = None  # the last_run dict, or a function making it (see last_run)
+        self._last_run = None  # the last_run dict, or the parts to make it from (see last_run)
         # A layer dropped without close() still frees its device memory (not at interpreter exit: by then the
         # process gives everything back anyway).
         projections = (gate, up, down) if gate is not None else (up, down)
@@ -387,8 +391,10 @@ class Exl3MoeMlp:
         call, then reads that call's report)."""
         with self._call_lock:  # (its GPU time is read before another call can submit)
             report = self._last_run
-            if callable(report):
-                report = self._last_run = report()
+            if type(report) is tuple:  # (what _launch_locked keeps: the dict's parts, the GPU time unread)
+                mode, requested, decision, fallback, plan, result, wall_ms = report
+                report = self._last_run = _run_report(mode, requested, decision.reason, fallback, plan,
+                                                      decision.plan, result.gpu_ms, wall_ms)
             return report
 
     @property
@@ -572,9 +578,7 @@ class Exl3MoeMlp:
         the forward themselves, e.g. vkmoe.ops.block)."""
         requested = parse_dispatch(dispatch if dispatch is not None else self._dispatch_arg)
         with self._call_lock:
-            scratch = self._scratch_for(m, top_k)
-            return decide(self.device, scratch.plan, requested, self.E, self.H, self.I, self.gated,
-                          lambda: self.co_resident(scratch.plan), scratch.persistent_fits).mode
+            return self._decide(self._scratch_locked(m, top_k), requested).mode
 
     def release_shape(self, m: int, top_k: int) -> None:
         """Unpin a shape record() pinned, once no recording of the caller's uses it any more: it becomes an
@@ -691,8 +695,7 @@ class Exl3MoeMlp:
         re-run split on the same inputs. Sets last_run; returns the output."""
         start = time.perf_counter()
         scratch = self._scratch_locked(m, top_k)
-        decision = decide(self.device, scratch.plan, requested, self.E, self.H, self.I, self.gated,
-                          lambda: self.co_resident(scratch.plan), scratch.persistent_fits)
+        decision = self._decide(scratch, requested)
         mode, fallback = decision.mode, None
         if mode == "persistent":
             result = self.run_persistent(hidden, ids, weights, m, top_k, decision.plan, check)
@@ -706,11 +709,15 @@ class Exl3MoeMlp:
             result = self._run_path(self._split_path, hidden, ids, weights, m, top_k, check)
             if requested == "persistent":  # a request not honoured; an ordinary auto decision is only `reason`
                 fallback = decision.reason
-        plan, wall_ms = scratch.plan, (time.perf_counter() - start) * 1e3
         # (the report, with its GPU time, is made only if read: see last_run)
-        self._last_run = lambda: _run_report(mode, requested, decision.reason, fallback, plan, decision.plan,
-                                             result.gpu_ms, wall_ms)
+        self._last_run = (mode, requested, decision, fallback, scratch.plan, result,
+                          (time.perf_counter() - start) * 1e3)
         return result.out
+
+    def _decide(self, scratch, requested):
+        """vkmoe.sched's Decision for a call of `scratch`'s shape in mode `requested`."""
+        return decide(self.device, scratch.plan, requested, self.E, self.H, self.I, self.gated,
+                      lambda: self.co_resident(scratch.plan), scratch.persistent_fits)
 
     def _io_for(self, m, top_k):
         """(hidden, ids, weights, out) buffers of a batch shape: the inputs where the host writes and the device
@@ -726,9 +733,10 @@ class Exl3MoeMlp:
         return io
 
     def _run(self, hidden, ids, weights, m, top_k, key, record_body, status=False, check=False):
-        """Write the inputs, submit the command buffer recorded for (m, top_k, key) ONCE, wait; returns
-        (out, (the recorder, its submission number: RunResult.gpu_time), scratch, abort word). Recorded on first use: the output poisoned with NaN first (an element
-        no stage writes stays NaN), with status=True the sync area's abort word copied behind the output.
+        """Write the inputs, submit the command buffer recorded for (m, top_k, key) ONCE, wait; returns (out,
+        (the recorder, its submission number: RunResult.gpu_time), scratch, abort word). Recorded on first use:
+        the output poisoned with NaN first (an element no stage writes stays NaN), with status=True the sync
+        area's abort word copied behind the output.
         hidden may be a DeviceArray, and the output may go to the DeviceArray of _call_options.out (then out
         is None): their copies are recorded per call and ride on the same submission (CallTransfers). ids and
         weights: any integer / float arrays of shape (m, top_k), written as int32 / float32. check=True: their
@@ -782,7 +790,7 @@ class Exl3MoeMlp:
         out, submitted, scratch, status = self._run_locked(hidden, ids, weights, m, top_k, path.key, path.record,
                                                           path.reads_status, check)
         scratch.last_status = status
-        return RunResult(out, submitted, path.check(scratch))
+        return _run_result((out, submitted, path.check(scratch)))
 
     def run_split(self, hidden, ids, weights, m, top_k, check=False):
         """Upload, run the split path (output poisoned first), wait; returns a RunResult (abort_code 0)."""

@@ -296,7 +296,8 @@ class CommandRecorder:
     def _prepare_submit(self, timeout, before, after):
         """What every submission checks and settles first: this buffer and the riders recorded, the last
         submission finished and its GPU time read if someone holds it. Returns (riders, the VkSubmitInfo)."""
-        self._check_open()
+        if self.handle is None or self.device._closed:  # (on every call: the usual case costs no call)
+            self._check_open()
         if not self._recorded:
             raise VkmoeError("submit() needs a recorded command buffer (begin() ... end())")
         riders = (*before, None, *after) if before or after else ()  # None: this buffer's place
