@@ -186,6 +186,83 @@ def test_bad_inputs_raise_as_before(moe, linear, layer):
     assert np.array_equal(moe(x, ids, w), moe(x, ids, w))
 
 
+def _outcome(fn):
+    """fn()'s result, or its exception's type and message."""
+    try:
+        return fn()
+    except (TypeError, ValueError) as exc:
+        return type(exc), str(exc)
+
+
+def test_routing_checked_in_c_as_check_op_routing_does(moe, layer, monkeypatch):
+    """The native path checks a call's routing in C (fastcall.IndexRule, BoundedRule) instead of
+    check_op_routing: every case, valid or not, in every dtype C reads itself, must end as on the Python path (the
+    same output, or the same error)."""
+    c = layer.calls[0]
+    x, ids, w = c["x"][:2], c["selected"][:2], c["weights"][:2]
+    E, k = moe.E, ids.shape[1]
+    f32_max = float(np.finfo(np.float32).max)
+    id_cases = [ids, np.full_like(ids, E), np.where(ids == ids[0, 0], -1, ids), ids + (1 << 32),
+                np.repeat(ids[:, :1], k, axis=1), np.array([[E - 1] + list(range(k - 1))] * 2)]
+    w = w.astype(np.float64)
+    w_cases = [w, -w, np.where(w == w[0, 0], np.nan, w), np.where(w == w[1, 0], np.inf, w),
+               np.full_like(w, f32_max), np.full_like(w, np.nextafter(f32_max, np.inf)), np.full_like(w, 1e39)]
+    checked = 0
+    for id_dt in (np.int32, np.int64):
+        for w_dt in (np.float16, np.float32, np.float64):
+            for ids_v in id_cases:
+                for w_v in w_cases:
+                    with np.errstate(over="ignore", invalid="ignore"):
+                        ids_c, w_c = ids_v.astype(id_dt), w_v.astype(w_dt)
+                    if id_dt is np.int32 and (ids_v >= 1 << 31).any():
+                        continue  # (the wrap of astype, not a case)
+                    monkeypatch.setenv("VKMOE_NATIVE_CALL", "0")
+                    python = _outcome(lambda: moe(x, ids_c, w_c))
+                    monkeypatch.setenv("VKMOE_NATIVE_CALL", "1")
+                    native, n_native, _ = _counted(lambda: _outcome(lambda: moe(x, ids_c, w_c)))
+                    if isinstance(python, np.ndarray):
+                        assert n_native == 1 and np.array_equal(native, python, equal_nan=True)
+                    else:
+                        assert native == python, (id_dt, w_dt, ids_v, w_v)
+                        assert n_native == 0  # rejected before the submission
+                    checked += 1
+    assert checked > 200
+
+
+@pytest.mark.parametrize("bound", [16, 5000])  # the bitmap's and the pairwise scan's repeat search
+def test_index_and_bounded_rules(device, bound):
+    """NativeCall's rules, on the values as given: a call whose check C cannot clear runs the caller's check
+    (which here lets it through), one that C clears does not."""
+    rng = np.random.default_rng(bound)
+    mem = device.memory
+    with CommandRecorder(device) as rec, mem.allocate(64 * 4, kind="upload") as ib, \
+            mem.allocate(64 * 4, kind="upload") as wb, mem.allocate(16, kind="readback") as out:
+        rec.begin()
+        rec.end()
+        rec.submit(wait=True)
+        call = fastcall.NativeCall(rec, [(ib, np.int32, (8, 8), fastcall.IndexRule(bound, 8)),
+                                         (wb, np.float32, (64,), fastcall.BoundedRule(2.5))], (out, np.float32, (4,)))
+        for _ in range(200):
+            ids = np.stack([rng.choice(bound, 8, replace=False) for _ in range(8)]).astype(np.int64)
+            if rng.random() < 0.5:
+                r, a, b = rng.integers(8), *rng.choice(8, 2, replace=False)
+                ids[r, a] = ids[r, b]
+            if rng.random() < 0.2:
+                ids[rng.integers(8), rng.integers(8)] = rng.choice([-1, bound, bound + (1 << 32), -(1 << 32)])
+            w = rng.uniform(-2.5, 2.5, 64)
+            if rng.random() < 0.3:
+                w[rng.integers(64)] = rng.choice([np.nan, np.inf, -np.inf, 2.5000001, -2.6])
+            for ids_v, w_v in ((ids, w), (ids.astype(np.int32), w.astype(np.float32)), (ids, w.astype(np.float16))):
+                if ids_v.dtype == np.int32 and not np.array_equal(ids_v, ids):
+                    continue  # (the wrap of astype, not a case)
+                valid = (all(len(set(row)) == 8 for row in ids_v.tolist()) and ids_v.min() >= 0
+                         and ids_v.max() < bound and bool(np.all(np.abs(w_v.astype(np.float64)) <= 2.5)))
+                asked = []
+                call.run([ids_v, w_v], check=asked.append)
+                assert (not asked) == valid, (ids_v, w_v)
+                assert np.array_equal(ib.host_view(np.int32, (8, 8)), ids_v.astype(np.int32))
+
+
 def test_native_call_checks_the_shapes_it_copies(device):
     with CommandRecorder(device) as rec, device.memory.allocate(64, kind="upload") as inp, \
             device.memory.allocate(64, kind="readback") as out:

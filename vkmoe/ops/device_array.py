@@ -93,8 +93,7 @@ class DeviceArray:
             raise ValueError(f"{name} is a DeviceArray on {self._device!r}; this op runs on {device!r}")
         if self.dtype != dtype:  # (a numpy dtype equals its scalar type: no np.dtype() per call)
             raise TypeError(f"{name} must be {np.dtype(dtype)}, got a DeviceArray of {self.dtype}")
-        if shape != self.shape and (len(self.shape) != len(shape)  # (equal shapes skip the per-axis test)
-                                    or not all(w is None or w == d for w, d in zip(shape, self.shape))):
+        if shape != self.shape and not _shape_matches(shape, self.shape):  # (equal shapes skip the per-axis test)
             want = "(" + ", ".join("m" if w is None else str(w) for w in shape) + ")"
             raise ValueError(f"{name} must have shape {want}, got a DeviceArray of shape {self.shape}")
         return self
@@ -114,6 +113,17 @@ class DeviceArray:
     def __repr__(self):
         state = " closed" if self.closed else ""
         return f"<vkmoe.DeviceArray {self.shape} {self.dtype}{state}>"
+
+
+def _shape_matches(want, shape):
+    """Whether `shape` has `want`'s dimensions, None in `want` matching any size (a loop, not a generator: this
+    runs for every DeviceArray argument of a call, e.g. hidden (None, H))."""
+    if len(want) != len(shape):
+        return False
+    for w, d in zip(want, shape):
+        if w is not None and w != d:
+            return False
+    return True
 
 
 def _last_gpu_ms(op):

@@ -110,7 +110,7 @@ class Exl3Linear:
         self._call_lock = threading.RLock()  # one call at a time per layer; no eviction under a running one
         self._transfers = CallTransfers(device)  # DeviceArray copies riding on a call's one submission
         self._owned = [self._trellis, self._suh, self._svh, self._bias]
-        self.last_gpu_time = None  # the last call's vkmoe.vk.GpuTime (last_gpu_ms reads it)
+        self._last_submission = None  # (recorder, submission number) of the last call; last_gpu_time
         # A layer dropped without close() still frees its device memory (not at exit: the process does that).
         weakref.finalize(self, _release_linear, self._io, self._sets, self._scratch, self._owned).atexit = False
 
@@ -203,11 +203,21 @@ class Exl3Linear:
             # x and y are mapped: written and read under one hold of the device (a closed device's memory is
             # unmapped; close() waits for this block instead)
             with self.device.use():
-                if self.last_gpu_time is not None:  # not read by now: nobody will, the submission need not read it
-                    self.last_gpu_time.forget()
                 y = call.run(self._transfers, (x,), target, dtype)
-            self.last_gpu_time = call.rec.gpu_time()
+            self._last_submission = (call.rec, call.rec.submissions)
             return y if target is None else target
+
+    @property
+    def last_gpu_time(self):
+        """The last call's vkmoe.vk.GpuTime (None before the first call), made when first asked for rather than on
+        every call (_last_submission holds it from then on): NaN once a later call of the same m submitted (a
+        call that then failed)."""
+        with self._call_lock:  # (after a running call, whose submission it then is)
+            last = self._last_submission
+            if type(last) is tuple:
+                rec, number = last
+                last = self._last_submission = rec.gpu_time_of(number)
+            return last
 
     last_gpu_ms = last_gpu_ms  # device_array.last_gpu_ms: reads last_gpu_time when asked
 
@@ -261,6 +271,7 @@ class Exl3Linear:
 
     def close(self):
         with self._call_lock:  # after a call running in another thread, never under it
+            self.last_gpu_time  # noqa: B018 - made now: closing its recorder reads it (GpuTime)
             self._transfers.close()
             _release_linear(self._io, self._sets, self._scratch, self._owned)
 

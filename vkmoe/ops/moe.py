@@ -5,6 +5,7 @@ routing prep + the stage bodies of shaders/include/moe_stages.glsl, either as sp
 barriers or as one persistent dispatch with spin barriers (vkmoe.sched decides; see docs/DESIGN.md).
 """
 from collections import OrderedDict
+import functools
 import threading
 import time
 from typing import NamedTuple
@@ -18,8 +19,9 @@ from ..layout import ACTIVATIONS, MAX_TOP_K, MOE_BINDINGS
 from ..layout import ROUTE_MAX_EXPERTS as MAX_EXPERTS
 from ..sched import occupancy
 from ..sched.plan import coop_split_reason, decide, persistent_plan
-from ..exl3.reference import check_op_routing
+from ..exl3.reference import F32_MAX, check_op_routing
 from ..vk import CommandRecorder, DeviceClosedError, GpuTime, PushConstants, TimeoutError
+from ..vk.fastcall import BoundedRule, IndexRule
 from . import kernels
 from .device_array import CallTransfers, DeviceArray, resolve_out
 from .host_arrays import describe, host_array, out_dtype_of
@@ -198,15 +200,24 @@ class _Recording:
 
 
 class RunResult(NamedTuple):
-    """What one submitted forward gave: the output, its GPU time (read from the timestamps when gpu_ms is asked
-    for), and the abort code (0: the output is valid)."""
+    """What one submitted forward gave: the output, the submission ((CommandRecorder, its submission number):
+    the GPU time is read from the timestamps when asked for) and the abort code (0: the output is valid)."""
     out: np.ndarray
-    gpu_time: GpuTime
+    submitted: tuple
     abort_code: int
+
+    @property
+    def gpu_time(self) -> GpuTime:
+        rec, number = self.submitted
+        return rec.gpu_time_of(number)
 
     @property
     def gpu_ms(self) -> float:
         return self.gpu_time.ms
+
+
+# RunResult((out, submitted, abort_code)) without the Python-level __new__ of a NamedTuple (every call makes one)
+_run_result = functools.partial(tuple.__new__, RunResult)
 
 
 class _SplitPath:
@@ -248,6 +259,13 @@ def _run_report(mode, requested, reason, fallback, plan, pplan, gpu_ms, wall_ms)
             "plan": plan.as_dict() if plan else None, "persistent_plan": pplan.as_dict() if pplan else None,
             "workgroups": pplan.workgroups if ran_persistent else None,
             "groups": pplan.groups if ran_persistent else None, "gpu_ms": gpu_ms, "wall_ms": wall_ms}
+
+
+def _check_call_routing(E, arrays):
+    """check_op_routing on a call's (hidden, ids, weights): RecordedCall.run's `check` (see _run)."""
+    check_op_routing(arrays[1], arrays[2], E)
+
+
 def _release_layer(recorded, scratch, io, projections):
     """Free a layer's device objects (emptying its dicts in place). close() calls it, and so does a finalizer
     when the layer is dropped without close(); it must not reference the layer itself."""
@@ -356,8 +374,8 @@ class Exl3MoeMlp:
         self._transfers = CallTransfers(device)      # DeviceArray copies riding on a call's one submission
         self._call_options = _CallOptions()         # per call: the DeviceArray the output goes to, if any
         self._split_path = _SplitPath(self)
-        self._last_run = None  # the last_run dict, or a function making it (see last_run)
-        self._last_gpu_time = None  # the GpuTime that function reads
+        self._check_routing = functools.partial(_check_call_routing, E)  # a __call__'s routing rules (_run)
+        self._last_run = None  # the last_run dict, or the parts to make it from (see last_run)
         # A layer dropped without close() still frees its device memory (not at interpreter exit: by then the
         # process gives everything back anyway).
         projections = (gate, up, down) if gate is not None else (up, down)
@@ -368,12 +386,16 @@ class Exl3MoeMlp:
     def last_run(self):
         """How the last call ran: a dict (README, "moe.last_run"), made when first read: a runtime calling every
         layer for every token rarely reads it, and its gpu_ms is a driver call (vkmoe.vk.GpuTime). The previous
-        call's report, if not read before the next call submits, loses its gpu_ms (NaN): seen only when that call
-        fails afterwards, or by a read racing it from another thread."""
-        report = self._last_run
-        if callable(report):
-            report = self._last_run = report()
-        return report
+        call's report, if not read before a next call submits the same recording (shape and mode), loses its
+        gpu_ms (NaN): seen only when that call fails afterwards (a read from another thread waits for a running
+        call, then reads that call's report)."""
+        with self._call_lock:  # (its GPU time is read before another call can submit)
+            report = self._last_run
+            if type(report) is tuple:  # (what _launch_locked keeps: the dict's parts, the GPU time unread)
+                mode, requested, decision, fallback, plan, result, wall_ms = report
+                report = self._last_run = _run_report(mode, requested, decision.reason, fallback, plan,
+                                                      decision.plan, result.gpu_ms, wall_ms)
+            return report
 
     @property
     def dispatch(self):
@@ -403,16 +425,20 @@ class Exl3MoeMlp:
     def _scratch_for(self, m, top_k):
         """The scratch of batch shape (m, top_k), made on first use. A server sees every m, so a new shape first
         evicts the least recently used ones beyond VKMOE_SHAPE_CACHE (pinned shapes excepted)."""
-        key = (m, top_k)
         with self._call_lock:
-            scratch = self._scratch.get(key)
-            if scratch is not None:
-                self._scratch.move_to_end(key)
-                return scratch
-            self._evict_shapes(knobs.get("VKMOE_SHAPE_CACHE") - 1)
-            plan = moe_plan(self.device, m, top_k, self.plan_experts, self.H, self.I, self.gated)
-            self._scratch[key] = _Scratch(self.device, plan, self.H, self.I, self.rows_kind)
-            return self._scratch[key]
+            return self._scratch_locked(m, top_k)
+
+    def _scratch_locked(self, m, top_k):
+        """_scratch_for for a caller holding the call lock (a call's path: re-entering it costs ~0.3 us)."""
+        key = (m, top_k)
+        scratch = self._scratch.get(key)
+        if scratch is not None:
+            self._scratch.move_to_end(key)
+            return scratch
+        self._evict_shapes(knobs.get("VKMOE_SHAPE_CACHE") - 1)
+        plan = moe_plan(self.device, m, top_k, self.plan_experts, self.H, self.I, self.gated)
+        self._scratch[key] = _Scratch(self.device, plan, self.H, self.I, self.rows_kind)
+        return self._scratch[key]
 
     def _evict_shapes(self, keep):
         """Free the recordings, io buffers and scratch of the least recently used unpinned shapes until `keep`
@@ -552,9 +578,7 @@ class Exl3MoeMlp:
         the forward themselves, e.g. vkmoe.ops.block)."""
         requested = parse_dispatch(dispatch if dispatch is not None else self._dispatch_arg)
         with self._call_lock:
-            scratch = self._scratch_for(m, top_k)
-            return decide(self.device, scratch.plan, requested, self.E, self.H, self.I, self.gated,
-                          lambda: self.co_resident(scratch.plan), scratch.persistent_fits).mode
+            return self._decide(self._scratch_locked(m, top_k), requested).mode
 
     def release_shape(self, m: int, top_k: int) -> None:
         """Unpin a shape record() pinned, once no recording of the caller's uses it any more: it becomes an
@@ -576,9 +600,10 @@ class Exl3MoeMlp:
         self._scratch_for(m, top_k).reset_sync()
 
     # ------------------------------------------------------------------------------------------ validation
-    def _check_inputs(self, hidden, expert_ids, expert_weights, experts=None):
+    def _check_inputs(self, hidden, expert_ids, expert_weights, experts=None, routing=True):
         """Shapes, dtypes and routing of a call; `experts`: how many experts the ids address (default this op's;
-        the whole layer's for a layer split over devices, vkmoe.ops.sharded)."""
+        the whole layer's for a layer split over devices, vkmoe.ops.sharded). routing=False leaves the routing
+        values (check_op_routing) to the caller: __call__ has the call check them as it writes them (_run)."""
         E = self.E if experts is None else experts
         # (each shape read once: every .shape makes a tuple, and this runs on every call)
         if isinstance(hidden, np.ndarray):
@@ -606,7 +631,8 @@ class Exl3MoeMlp:
                              f"{describe(expert_weights)}")
         if expert_weights.dtype not in _WEIGHT_DTYPES:
             raise TypeError(f"expert_weights must be float16/float32, got {expert_weights.dtype}")
-        check_op_routing(expert_ids, expert_weights, E)
+        if routing:
+            check_op_routing(expert_ids, expert_weights, E)
         return m, top_k
 
     # -------------------------------------------------------------------------------------------- forward
@@ -623,14 +649,14 @@ class Exl3MoeMlp:
             expert_ids = host_array(expert_ids, "expert_ids")
         if type(expert_weights) is not np.ndarray:
             expert_weights = host_array(expert_weights, "expert_weights")
-        m = self._check_inputs(hidden, expert_ids, expert_weights)[0]
+        m = self._check_inputs(hidden, expert_ids, expert_weights, routing=False)[0]  # (routing: by the call)
         if out is None:
-            result = self._forward(hidden, expert_ids, expert_weights, dispatch)
+            result = self._forward(hidden, expert_ids, expert_weights, dispatch, check=True)
             return result if dtype is _F32 else result.astype(dtype, copy=False)
         target = resolve_out(out, self.device, (m, self.H), np.float32)
         self._call_options.out = target  # read by _run, below the mode decision
         try:
-            self._forward(hidden, expert_ids, expert_weights, dispatch)
+            self._forward(hidden, expert_ids, expert_weights, dispatch, check=True)
         except BaseException:
             if target is not out:
                 target.close()
@@ -651,8 +677,10 @@ class Exl3MoeMlp:
             self._forward(hidden, ids, weights, dispatch)
             return self._scratch_for(m, top_k).rows.download(np.float32, (m, top_k, self.H))
 
-    def _forward(self, hidden, ids, weights, dispatch):
-        """Run checked inputs (ids outside [0, E) are skipped on the device) in the resolved dispatch mode."""
+    def _forward(self, hidden, ids, weights, dispatch, check=False):
+        """Run inputs whose shapes and dtypes are checked in the resolved dispatch mode; check=True: the routing
+        values are checked too (check_op_routing, as they are written: _run), else ids outside [0, E) are
+        skipped on the device."""
         m, top_k = ids.shape
         mode = parse_dispatch(dispatch if dispatch is not None else self._dispatch_arg)
         if m == 0:
@@ -660,35 +688,36 @@ class Exl3MoeMlp:
             return np.zeros((0, self.H), np.float32)
         # (_run writes the inputs into the mapped input buffers, converting ids to int32, weights to float32)
         with self._call_lock:  # the shape's scratch stays (no eviction) until its last use in _launch_locked
-            return self._launch_locked(mode, hidden, ids, weights, m, top_k)
+            return self._launch_locked(mode, hidden, ids, weights, m, top_k, check)
 
-    def _launch_locked(self, requested, hidden, ids, weights, m, top_k):
+    def _launch_locked(self, requested, hidden, ids, weights, m, top_k, check=False):
         """Run in the mode vkmoe.sched decides; a persistent launch that aborted (a bounded spin ran out) is
         re-run split on the same inputs. Sets last_run; returns the output."""
         start = time.perf_counter()
-        scratch = self._scratch_for(m, top_k)
-        decision = decide(self.device, scratch.plan, requested, self.E, self.H, self.I, self.gated,
-                          lambda: self.co_resident(scratch.plan), scratch.persistent_fits)
+        scratch = self._scratch_locked(m, top_k)
+        decision = self._decide(scratch, requested)
         mode, fallback = decision.mode, None
-        if self._last_gpu_time is not None:  # the last report's GPU time, not read by now, is not wanted:
-            self._last_gpu_time.forget()     # the coming submission need not read it first
         if mode == "persistent":
-            result = self.run_persistent(hidden, ids, weights, m, top_k, decision.plan)
+            result = self.run_persistent(hidden, ids, weights, m, top_k, decision.plan, check)
             if result.abort_code:
                 why = layout.ABORT_REASONS.get(result.abort_code, result.abort_code)
                 fallback = (f"persistent launch aborted ({why}; grid {decision.plan.workgroups} from "
                             f"{decision.plan.source}): re-ran in split mode")
                 scratch.reset_sync()
-                result, mode = self._run_path(self._split_path, hidden, ids, weights, m, top_k), "split"
+                result, mode = self._run_path(self._split_path, hidden, ids, weights, m, top_k, check), "split"
         else:
-            result = self._run_path(self._split_path, hidden, ids, weights, m, top_k)
+            result = self._run_path(self._split_path, hidden, ids, weights, m, top_k, check)
             if requested == "persistent":  # a request not honoured; an ordinary auto decision is only `reason`
                 fallback = decision.reason
-        plan, gpu_time, wall_ms = scratch.plan, result.gpu_time, (time.perf_counter() - start) * 1e3
-        self._last_gpu_time = gpu_time
-        self._last_run = lambda: _run_report(mode, requested, decision.reason, fallback, plan, decision.plan,
-                                             gpu_time.ms, wall_ms)
+        # (the report, with its GPU time, is made only if read: see last_run)
+        self._last_run = (mode, requested, decision, fallback, scratch.plan, result,
+                          (time.perf_counter() - start) * 1e3)
         return result.out
+
+    def _decide(self, scratch, requested):
+        """vkmoe.sched's Decision for a call of `scratch`'s shape in mode `requested`."""
+        return decide(self.device, scratch.plan, requested, self.E, self.H, self.I, self.gated,
+                      lambda: self.co_resident(scratch.plan), scratch.persistent_fits)
 
     def _io_for(self, m, top_k):
         """(hidden, ids, weights, out) buffers of a batch shape: the inputs where the host writes and the device
@@ -703,23 +732,31 @@ class Exl3MoeMlp:
                 kinds=["upload", "upload", "upload", "readback"]))
         return io
 
-    def _run(self, hidden, ids, weights, m, top_k, key, record_body, status=False):
-        """Write the inputs, submit the command buffer recorded for (m, top_k, key) ONCE, wait; returns
-        (out, GpuTime, scratch, abort word). Recorded on first use: the output poisoned with NaN first (an element
-        no stage writes stays NaN), with status=True the sync area's abort word copied behind the output.
+    def _run(self, hidden, ids, weights, m, top_k, key, record_body, status=False, check=False):
+        """Write the inputs, submit the command buffer recorded for (m, top_k, key) ONCE, wait; returns (out,
+        (the recorder, its submission number: RunResult.gpu_time), scratch, abort word). Recorded on first use:
+        the output poisoned with NaN first (an element no stage writes stays NaN), with status=True the sync
+        area's abort word copied behind the output.
         hidden may be a DeviceArray, and the output may go to the DeviceArray of _call_options.out (then out
         is None): their copies are recorded per call and ride on the same submission (CallTransfers). ids and
-        weights: any integer / float arrays of shape (m, top_k), written as int32 / float32."""
+        weights: any integer / float arrays of shape (m, top_k), written as int32 / float32. check=True: their
+        values are checked first (check_op_routing; the native path does it in C as it copies them)."""
         with self._call_lock:  # one forward at a time per layer: the io and scratch buffers are per layer
-            recording = self._recorded.get((m, top_k, key))
-            if recording is None:
-                recording = self._recorded[(m, top_k, key)] = self._record_run(m, top_k, record_body, status)
-            # The io buffers are mapped: written and read under ONE hold of the device (a closed device's memory
-            # is unmapped; close() waits for this block instead).
-            with self.device.use():
-                out = recording.call.run(self._transfers, (hidden, ids, weights), self._call_options.out, _F32)
-                abort = recording.call.status_word() if status else 0
-        return out, recording.rec.gpu_time(), recording.scratch, abort
+            return self._run_locked(hidden, ids, weights, m, top_k, key, record_body, status, check)
+
+    def _run_locked(self, hidden, ids, weights, m, top_k, key, record_body, status, check):
+        """_run for a caller holding the call lock (a call's path: re-entering it costs ~0.3 us)."""
+        recording = self._recorded.get((m, top_k, key))
+        if recording is None:
+            recording = self._recorded[(m, top_k, key)] = self._record_run(m, top_k, record_body, status)
+        # The io buffers are mapped: written and read under ONE hold of the device (a closed device's memory
+        # is unmapped; close() waits for this block instead).
+        with self.device.use():
+            out = recording.call.run(self._transfers, (hidden, ids, weights), self._call_options.out, _F32,
+                                     self._check_routing if check else None)
+            abort = recording.call.status_word() if status else 0
+        rec = recording.rec
+        return out, (rec, rec.submissions), recording.scratch, abort
 
     def _record_run(self, m, top_k, record_body, status):
         """_run's recording: the output poisoned with NaN, record_body's commands between two timestamps, the
@@ -741,25 +778,30 @@ class Exl3MoeMlp:
         except BaseException:  # a recording that failed (e.g. on a closed device) leaves nothing behind
             _Recording(rec, (), scratch).close()
             raise
-        call = RecordedCall(rec, [(hb, _F16, (m, self.H)), (ib, _I32, (m, top_k)), (wb, _F32, (m, top_k))],
-                            (ob, _F32, (m, self.H)))
+        # The routing rules as C checks them (check_op_routing's: ids in [0, E), no expert twice in a row,
+        # weights finite in float32)
+        call = RecordedCall(rec, [(hb, _F16, (m, self.H)), (ib, _I32, (m, top_k), IndexRule(self.E, top_k)),
+                                  (wb, _F32, (m, top_k), BoundedRule(F32_MAX))], (ob, _F32, (m, self.H)))
         # record_body returns the descriptor sets it bound (None: none to free with the recording)
         return _Recording(rec, sets or (), scratch, call)
 
-    def _run_path(self, path, hidden, ids, weights, m, top_k):
-        out, gpu_time, scratch, status = self._run(hidden, ids, weights, m, top_k, path.key, path.record,
-                                                   status=path.reads_status)
+    def _run_path(self, path, hidden, ids, weights, m, top_k, check=False):
+        """Run `path` (the caller holds the call lock); returns a RunResult."""
+        out, submitted, scratch, status = self._run_locked(hidden, ids, weights, m, top_k, path.key, path.record,
+                                                          path.reads_status, check)
         scratch.last_status = status
-        return RunResult(out, gpu_time, path.check(scratch))
+        return _run_result((out, submitted, path.check(scratch)))
 
-    def run_split(self, hidden, ids, weights, m, top_k):
+    def run_split(self, hidden, ids, weights, m, top_k, check=False):
         """Upload, run the split path (output poisoned first), wait; returns a RunResult (abort_code 0)."""
-        return self._run_path(self._split_path, hidden, ids, weights, m, top_k)
+        with self._call_lock:
+            return self._run_path(self._split_path, hidden, ids, weights, m, top_k, check)
 
-    def run_persistent(self, hidden, ids, weights, m, top_k, pplan):
+    def run_persistent(self, hidden, ids, weights, m, top_k, pplan, check=False):
         """Upload, run the persistent kernel, wait; returns a RunResult. A non-zero abort code means the output
         is not valid (the caller re-runs split after resetting the sync area)."""
-        return self._run_path(_PersistentPath(self, pplan), hidden, ids, weights, m, top_k)
+        with self._call_lock:
+            return self._run_path(_PersistentPath(self, pplan), hidden, ids, weights, m, top_k, check)
 
     def forward_sorted(self, hidden: np.ndarray, expert_count, token_sorted, weight_sorted,
                        dispatch: "str | None" = None, out_dtype=np.float32) -> np.ndarray:
@@ -816,6 +858,7 @@ class Exl3MoeMlp:
 
     def close(self):
         with self._call_lock:  # after a call running in another thread, never under it
+            self.last_run  # noqa: B018 - made now, while the recording whose GPU time it reads exists
             self._transfers.close()
             _release_layer(*self._resources)
             self._pinned.clear()

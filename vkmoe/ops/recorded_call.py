@@ -21,20 +21,25 @@ _U32 = np.dtype(np.uint32)
 
 class RecordedCall:
     """`rec` (recorded, with the forward's commands) and its io: `inputs` [(Buffer, dtype, shape)] that the host
-    writes (mapped upload memory), `output` (Buffer, dtype, shape) that the host reads (mapped readback memory),
-    optionally followed by a status word."""
+    writes (mapped upload memory; a fourth element, a fastcall.IndexRule or BoundedRule, lets the native path
+    check that input's values in C: see run's `check`), `output` (Buffer, dtype, shape) that the host reads
+    (mapped readback memory), optionally followed by a status word."""
 
     def __init__(self, rec, inputs, output):
         self.rec, self.inputs, self.output = rec, list(inputs), output
         self._status_offset = math.prod(output[2]) * np.dtype(output[1]).itemsize
         self._native = None  # the fastcall.NativeCall, made at the first call that takes that path
 
-    def run(self, transfers, arrays, target=None, out_dtype=None):
+    def run(self, transfers, arrays, target=None, out_dtype=None, check=None):
         """One call: `arrays` per input a numpy array of its shape (written, converted to its dtype) or a
         DeviceArray (copied on the device); the output goes to the DeviceArray `target`, or (None) comes back
         as a new numpy array of numpy dtype `out_dtype`. Returns that array, or None for a target. The caller
-        holds the op's call lock and device.use() (a closed device's memory is unmapped)."""
-        copies_in = [(a.buffer, buf, a.nbytes) for a, (buf, _, _) in zip(arrays, self.inputs)
+        holds the op's call lock and device.use() (a closed device's memory is unmapped).
+
+        check: None, or the op's check of the inputs' values, check(arrays), raising on bad input before
+        anything is written or submitted: the Python path runs it, the native path checks the inputs' rules in C
+        instead and runs it only where C cannot decide (NativeCall.run)."""
+        copies_in = [(a.buffer, spec[0], a.nbytes) for a, spec in zip(arrays, self.inputs)
                      if isinstance(a, DeviceArray)] if DeviceArray in map(type, arrays) else ()
         copies_out = [(self.output[0], target.buffer, target.nbytes)] if target is not None else ()
         rec = self.rec
@@ -45,8 +50,10 @@ class RecordedCall:
             before, after = transfers.riders(copies_in, copies_out) if copies_in or copies_out else ((), ())
             if copies_in:
                 arrays = [None if isinstance(a, DeviceArray) else a for a in arrays]
-            return native.run(arrays, None if target is not None else out_dtype, before, after)
-        for a, (buf, dtype, shape) in zip(arrays, self.inputs):
+            return native.run(arrays, None if target is not None else out_dtype, before, after, check)
+        if check is not None:
+            check(arrays)
+        for a, (buf, dtype, shape, *_) in zip(arrays, self.inputs):
             if not isinstance(a, DeviceArray):
                 buf.host_view(dtype, shape)[...] = a
         transfers.submit(rec, copies_in, copies_out)

@@ -88,6 +88,10 @@ class GpuTime:
             rec._gpu_time = None  # the recorder's next gpu_time() makes a new one
 
 
+UNREAD_GPU_TIME = GpuTime(None)  # the GpuTime of a submission whose results are gone: ms NaN
+UNREAD_GPU_TIME._ms = float("nan")
+
+
 class CommandRecorder:
     """A command buffer with its own pool, fence and timestamp query pool.
 
@@ -265,17 +269,18 @@ class CommandRecorder:
             self._wait(timeout)
         return self
 
-    def submit_native(self, call, convs, sources, dst, out_conv, before=(), after=()):
+    def submit_native(self, call, convs, checks, sources, dst, out_conv, before=(), after=()):
         """submit_held(wait=True) through the native call path (vkmoe.vk.fastcall.NativeCall `call`, made for
         this recorder): the host inputs `sources` (4 cdata pointers or NULL, converted by the packed `convs`) are
-        copied into their mapped buffers, the fence reset, the buffer submitted and waited for, and the output
-        copied into `dst` (NULL: none) by two C calls. Same checks, bookkeeping, errors and timeout as
+        checked against their rules (the slots in the bit mask `checks`: call.raise_error raises when one breaks
+        its rule, before anything is copied or submitted) and copied into their mapped buffers, the fence reset,
+        the buffer submitted and waited for, and the output copied into `dst` (NULL: none) by two C calls. Same checks, bookkeeping, errors and timeout as
         submit_held + wait; the caller holds device.use()."""
         global _native_submissions
         dev, lib, c = self.device, call.lib, call.struct
         riders, info = self._prepare_submit(None, before, after)
         with dev._lock:
-            result = lib.vkn_call_submit(c, info, convs, *sources)
+            result = lib.vkn_call_submit(c, info, convs, checks, *sources)
             if result:
                 call.raise_error(result)
             self._submitted(riders)
@@ -291,7 +296,8 @@ class CommandRecorder:
     def _prepare_submit(self, timeout, before, after):
         """What every submission checks and settles first: this buffer and the riders recorded, the last
         submission finished and its GPU time read if someone holds it. Returns (riders, the VkSubmitInfo)."""
-        self._check_open()
+        if self.handle is None or self.device._closed:  # (on every call: the usual case costs no call)
+            self._check_open()
         if not self._recorded:
             raise VkmoeError("submit() needs a recorded command buffer (begin() ... end())")
         riders = (*before, None, *after) if before or after else ()  # None: this buffer's place
@@ -408,6 +414,16 @@ class CommandRecorder:
             t = GpuTime(self)
             self._gpu_time = weakref.ref(t)
         return t
+
+    def gpu_time_of(self, submission):
+        """The GpuTime of this recorder's submission that made `submissions` equal to `submission`, for a caller
+        that keeps that number rather than make a GpuTime for every submission (an op, whose report a runtime
+        rarely reads): gpu_time() while no later submission has overwritten its results, else UNREAD_GPU_TIME
+        (ms NaN). The caller orders this after that submission and before any other (an op: under its call
+        lock)."""
+        if self.handle is None or self.submissions != submission:
+            return UNREAD_GPU_TIME
+        return self.gpu_time()
 
     def _settle_gpu_time(self):
         """Before the query results are overwritten or freed: read them into the last submission's GpuTime if

@@ -200,7 +200,8 @@ class _DeviceHold:
     def __enter__(self):
         d = self._device
         with d._use_lock:  # (the lock under d._idle: a Condition's own `with` is two Python calls more)
-            d.check_open()
+            if d._closed:
+                d.check_open()  # raises
             d._in_use += 1
         return d
 

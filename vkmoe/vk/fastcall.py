@@ -8,6 +8,8 @@ The C side links no Vulkan: it calls the same loader functions the binding calls
 exposes, so validation layers see every call. vkmoe._native is optional (it is built with a C compiler); without
 it, or with VKMOE_NATIVE_CALL=0, `enabled()` is False and the ops run their Python path, which does the same.
 """
+from typing import NamedTuple
+
 import numpy as np
 import vulkan as vk
 
@@ -51,12 +53,29 @@ def _conversions():
     return {(np.dtype(a), np.dtype(b)): code for a, b, code in pairs}
 
 
-class _Slot:
-    """One mapped buffer of a call: its dtype and shape, and the conversions the C side does into it (`into`,
-    by source dtype) and out of it (`out_of`, by destination dtype)."""
-    __slots__ = ("dtype", "shape", "count", "into", "out_of")
+class IndexRule(NamedTuple):
+    """An input's values are integers in [0, bound), distinct within each row of `row` elements."""
+    bound: int
+    row: int
 
-    def __init__(self, struct, buffer, dtype, shape):
+
+class BoundedRule(NamedTuple):
+    """An input's values are finite, with |v| <= limit."""
+    limit: float
+
+
+class _Rejected(Exception):
+    """vkn_call_submit found a checked input breaking its rule (nothing was copied or submitted)."""
+
+
+class _Slot:
+    """One mapped buffer of a call (input `index`; the output's is None): its dtype and shape, the conversions
+    the C side does into it (`into`, by source dtype: the code already shifted to the slot's place in the packed
+    convs) and out of it (`out_of`, by destination dtype), and the rule C may check its input against
+    (check_bit: its bit in vkn_call_submit's mask, 0 without a rule). Run reads these on every call."""
+    __slots__ = ("index", "dtype", "shape", "count", "into", "out_of", "rule", "check_bit")
+
+    def __init__(self, index, struct, buffer, dtype, shape, rule=None):
         if not buffer.mapped:
             raise ValueError("the native call path needs host-mapped io buffers")
         self.dtype, self.shape = np.dtype(dtype), tuple(shape)
@@ -65,14 +84,25 @@ class _Slot:
         struct.elem_bytes = self.dtype.itemsize
         if struct.count * self.dtype.itemsize > buffer.size:
             raise ValueError(f"{self.shape} {self.dtype} does not fit the {buffer.size}-byte buffer")
-        self.into = {self.dtype: _COPY, **{a: c for (a, b), c in _CONVERSIONS.items() if b == self.dtype}}
+        self.index, shift = index, _CONV_BITS * (index or 0)
+        self.into = {self.dtype: _COPY, **{a: c << shift for (a, b), c in _CONVERSIONS.items() if b == self.dtype}}
         self.out_of = {self.dtype: _COPY, **{b: c for (a, b), c in _CONVERSIONS.items() if a == self.dtype}}
+        self.rule, self.check_bit = rule, 0 if rule is None else 1 << index
+        if isinstance(rule, IndexRule):
+            struct.rule, struct.bound, struct.row = _lib.VKN_RULE_INDEX, rule.bound, rule.row
+            if rule.row < 1 or self.count % rule.row:
+                raise ValueError(f"{self.shape} does not split into rows of {rule.row}")
+        elif isinstance(rule, BoundedRule):
+            struct.rule, struct.limit = _lib.VKN_RULE_BOUNDED, rule.limit
+        elif rule is not None:
+            raise TypeError(f"rule must be an IndexRule or a BoundedRule, got {rule!r}")
 
 
 class NativeCall:
     """The vkn_call of one recorded op call: the entry points, the recorder's device, queue and fence, the
-    mapped buffers its host inputs go to (up to four: (Buffer, dtype, shape)) and its output comes from.
-    Valid while the recorder and the buffers are (the op frees them together)."""
+    mapped buffers its host inputs go to (up to four: (Buffer, dtype, shape) or (Buffer, dtype, shape, rule),
+    rule an IndexRule or a BoundedRule that C may check the input against) and its output comes from (Buffer,
+    dtype, shape). Valid while the recorder and the buffers are (the op frees them together)."""
     PENDING = None  # set below: vkn_call_finish's "still running"
 
     def __init__(self, rec, inputs, output):
@@ -86,44 +116,67 @@ class NativeCall:
         c.device = _ffi.cast("void *", _address(dev.handle))
         c.queue = _ffi.cast("void *", _address(dev.queue))
         c.fence = _ffi.cast("uint64_t *", _address(rec._fences))
-        c.spin_s = rec.spin_s
-        self.inputs = [_Slot(getattr(c, "in")[i], *spec) for i, spec in enumerate(inputs)]
-        self.output = _Slot(c.out, *output)
+        c.spin_s = self._spin_s = rec.spin_s  # (_spin_s: what the struct holds, compared without cffi)
+        self.inputs = [_Slot(i, getattr(c, "in")[i], *spec) for i, spec in enumerate(inputs)]
+        self.output = _Slot(None, c.out, *output)
 
-    def run(self, arrays, out_dtype=None, before=(), after=()):
+    def run(self, arrays, out_dtype=None, before=(), after=(), check=None):
         """Copy `arrays` (numpy arrays of the inputs' shapes, any dtype numpy can convert; None: the input is
         not written, e.g. a DeviceArray copied by a rider) into the mapped inputs, submit with `before` /
         `after` riders, wait, and return the output as a new numpy array of `out_dtype` (a numpy dtype; None:
-        no output copy, returns None). The caller holds device.use()."""
-        convs, sources, from_buffer = 0, [NULL] * _INPUTS, _ffi.from_buffer
-        for i, (slot, a) in enumerate(zip(self.inputs, arrays)):
+        no output copy, returns None). The caller holds device.use().
+
+        check: None, or the caller's own check of the inputs' values, check(arrays), which raises on bad input
+        (the authority, and what names the problem). C then checks the inputs that have rules instead, in the
+        same call as the copies (cheaper than any numpy reduction on a decode step's few values); check runs only
+        where C cannot do it: on an input numpy converts first (C would see the converted values), and when C
+        rejects one (so that the error is the caller's)."""
+        convs = checks = 0
+        sources, from_buffer = [NULL] * _INPUTS, _ffi.from_buffer
+        for slot, a in zip(self.inputs, arrays):
             if a is None:
                 continue
             if a.size != slot.count:  # the C copy trusts the sizes: never read past an array (the op checked
                 raise ValueError(f"expected an array of shape {slot.shape}, got {a.shape}")  # the shape)
-            code = slot.into.get(a.dtype)
-            if code is None:
-                a, code = np.ascontiguousarray(a, slot.dtype), _COPY
-            try:
-                sources[i] = from_buffer(a)
-            except ValueError:  # not C-contiguous
-                a, code = np.ascontiguousarray(a, slot.dtype), _COPY
-                sources[i] = from_buffer(a)
-            convs |= code << (_CONV_BITS * i)
+            conv, source = slot.into.get(a.dtype), None
+            if conv is not None:
+                try:
+                    source = from_buffer(a)
+                except ValueError:  # not C-contiguous
+                    pass
+            if source is None:  # numpy converts it first
+                if check is not None and slot.check_bit:
+                    check(arrays)  # on the values as the caller gave them: then C need check none
+                    check = None
+                conv, source = _COPY, from_buffer(np.ascontiguousarray(a, slot.dtype))  # (the cdata keeps it)
+            sources[slot.index] = source
+            convs |= conv
+            checks |= slot.check_bit
+        if check is None:
+            checks = 0
         out, out_conv, dst = None, 0, NULL
         if out_dtype is not None:
             slot = self.output
             out_conv = slot.out_of.get(out_dtype)
             out = np.empty(slot.shape, slot.dtype if out_conv is None else out_dtype)
             out_conv, dst = out_conv or 0, _ffi.from_buffer(out)
-        self.struct.spin_s = self.rec.spin_s  # (tests change it on a live recorder)
-        self.rec.submit_native(self, convs, sources, dst, out_conv, before, after)
+        if self.rec.spin_s != self._spin_s:  # (tests change it on a live recorder)
+            self.struct.spin_s = self._spin_s = self.rec.spin_s
+        try:
+            self.rec.submit_native(self, convs, checks, sources, dst, out_conv, before, after)
+        except _Rejected:
+            check(arrays)  # raises, naming the problem
+            # It found none: C's rule was stricter than the caller's check, which is the authority.
+            self.rec.submit_native(self, convs, 0, sources, dst, out_conv, before, after)
         if out is not None and out.dtype != out_dtype:  # a narrowing the C side does not do (numpy rounds)
             out = out.astype(out_dtype)
         return out
 
     def raise_error(self, result):
-        """VulkanError naming the entry point that returned `result`."""
+        """VulkanError naming the entry point that returned `result` (_Rejected: a checked input broke its
+        rule)."""
+        if result == _lib.VKN_REJECTED:
+            raise _Rejected(self.struct.rejected)
         name = _FAILED_CALLS.get(self.struct.failed, "the native call path")
         check(name, result)
 
