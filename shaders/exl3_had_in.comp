@@ -1,10 +1,11 @@
 #version 450
 // Input Hadamard of a linear (spec section 5, had_in): y = RN16(FWHT(RN16(x * suh)) * r) per 128-block of each
-// row. One workgroup transforms 4 (row, block) units.
+// row. One workgroup transforms HAD_IN_UNITS_PER_WG (row, block) units, one per Hadamard row, HAD_PASS_ROWS at a
+// time (hadamard128.glsl).
 #include "common.glsl"
 #define WG_SIZE 256u
-#define HAD_ROWS 4u
 layout(local_size_x = 256) in;
+#include "generated/moe_layout.glsl"
 #include "hadamard128.glsl"
 
 layout(std430, binding = 0) readonly buffer X { uint x[]; };        // (m, k) fp16
@@ -13,28 +14,19 @@ layout(std430, binding = 2) writeonly buffer Y { uint y[]; };       // (m, k) fp
 layout(push_constant) uniform Push { uint m; uint k; } pc;
 
 void main() {
-    uint tid = gl_LocalInvocationID.x;
-    uint blocks_per_row = pc.k / 128u;
-    uint units = pc.m * blocks_per_row;
-    uint unit0 = gl_WorkGroupID.x * HAD_ROWS;
-    for (uint i = tid; i < HAD_ROWS * 128u; i += WG_SIZE) {
-        uint unit = unit0 + (i >> 7);
-        float v = 0.0;
-        if (unit < units) {
-            uint row = unit / blocks_per_row, col = (unit % blocks_per_row) * 128u + (i & 127u);
-            uint e = row * pc.k + col;
-            v = rn16(f16_at(x[e >> 1], e) * f16_at(suh[col >> 1], col));
+    uint units = pc.m * (pc.k / 128u), c0 = had_col0();
+    for (uint r0 = 0u; r0 < HAD_IN_UNITS_PER_WG; r0 += HAD_PASS_ROWS) {
+        uint unit = gl_WorkGroupID.x * HAD_IN_UNITS_PER_WG + r0 + had_row();
+        // Units past the end transform unit 0 and are dropped; this invocation's columns of the row start at
+        // word w (whole fp16 pairs: c0 is even).
+        uint w = (unit < units ? unit * 128u + c0 : c0) >> 1, sw = w % (pc.k / 2u);
+        [[unroll]] for (uint j = 0u; j < HAD_VALS; j += 2u) {
+            vec2 xs = unpackHalf2x16(x[w + j / 2u]), s = unpackHalf2x16(suh[sw + j / 2u]);
+            had_v[j] = rn16(xs.x * s.x);
+            had_v[j + 1u] = rn16(xs.y * s.y);
         }
-        had_buf[i] = v;
-    }
-    barrier();
-    had_fwht(HAD_ROWS);
-    for (uint i = tid; i < HAD_ROWS * 64u; i += WG_SIZE) {  // one packed pair per iteration
-        uint unit = unit0 + (i >> 6);
-        if (unit < units) {
-            uint row = unit / blocks_per_row, col = (unit % blocks_per_row) * 128u + (i & 63u) * 2u;
-            uint b = (i >> 6) * 128u + (i & 63u) * 2u;
-            y[(row * pc.k + col) >> 1] = packHalf2x16(vec2(had_buf[b], had_buf[b + 1u]) * HAD_SCALE);
-        }
+        had_transform();
+        [[unroll]] for (uint j = 0u; j < HAD_VALS; j += 2u)
+            if (unit < units) y[w + j / 2u] = packHalf2x16(vec2(had_v[j], had_v[j + 1u]) * HAD_SCALE);
     }
 }

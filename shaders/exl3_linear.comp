@@ -6,7 +6,6 @@
 // in split order - deterministic - and applies the output Hadamard. The counter resets itself.
 #include "common.glsl"
 #define WG_SIZE 256u
-#define HAD_ROWS 4u
 layout(local_size_x = 256) in;
 #include "generated/moe_layout.glsl"
 layout(constant_id = SPEC_LINEAR_K) const int K = 4;

@@ -10,7 +10,6 @@
 #define EXL3_F16
 #include "common.glsl"
 #define WG_SIZE 256u
-#define HAD_ROWS 4u
 layout(local_size_x = 256) in;
 #include "generated/moe_layout.glsl"
 #ifdef COOP_WIDE

@@ -4,7 +4,6 @@
 // (stage 5) and the last slot of a token sums them.
 #include "common.glsl"
 #define WG_SIZE 256u
-#define HAD_ROWS 4u
 layout(local_size_x = 256) in;
 #include "moe_bindings.glsl"
 #include "moe_stages.glsl"

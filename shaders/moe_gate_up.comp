@@ -4,7 +4,6 @@
 // Grid: x = items per chunk, y = max_chunks (chunks beyond the routed count exit).
 #include "common.glsl"
 #define WG_SIZE 256u
-#define HAD_ROWS 4u
 layout(local_size_x = 256) in;
 #include "moe_bindings.glsl"
 #include "moe_stages.glsl"

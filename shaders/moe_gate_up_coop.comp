@@ -9,7 +9,6 @@
 #define EXL3_F16
 #include "common.glsl"
 #define WG_SIZE 256u
-#define HAD_ROWS 4u
 layout(local_size_x = 256) in;
 #define MOE_COOP
 #include "moe_bindings.glsl"

@@ -16,7 +16,6 @@
 // mode. The last workgroup out resets the counters, so the next launch needs no host-side clearing.
 #include "common.glsl"
 #define WG_SIZE 256u
-#define HAD_ROWS 4u
 #define MOE_ROUTE
 #define ROUTE_MAX_E 256   // keeps this kernel inside the 16 KiB of shared memory Vulkan guarantees
 #define MOE_DEPENDENCY_WAITS

@@ -4,7 +4,6 @@
 // stage-1 items, as (x, y).
 #include "common.glsl"
 #define WG_SIZE 256u
-#define HAD_ROWS 4u
 layout(local_size_x = 256) in;
 #define MOE_ROUTE
 #include "moe_bindings.glsl"

@@ -137,8 +137,9 @@ def test_sizes_and_grids():
     assert size["sync"] == 4 * (16 + 9 * 2 + 9 * 3 + 5 * 3 + 9)  # + per-chunk progress (persistent)
     assert size["partial"] == 4 * (2 * 2 * R * I + 3 * R * H)     # gate/up partials, then down partials
     route, gate_up, down = layout.split_grids(Plan, H, I, gated=True)
-    assert route == (1 + layout.ceil_div(R * 3, 2), 1)
+    assert route == (1 + layout.ceil_div(R * 3, layout.STAGE1_PAIRS_PER_ITEM), 1)
     assert gate_up == (2 * 2 * 2, 9) and down == (3 * 3, 9)
     assert layout.split_grids(Plan, H, I, gated=False)[1] == (2 * 2, 9)
     assert layout.fold_grid(70000) == (65535, 2)
     assert layout.linear_grid(Plan, 384) == (3, 2, 2)
+    assert layout.had_in_grid(5, 384) == layout.ceil_div(15, layout.HAD_IN_UNITS_PER_WG)

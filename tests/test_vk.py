@@ -15,6 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Test-only shaders (tests/shaders/*.comp), compiled by `setup.py build_shaders` into tests/_spv, not the package.
 SAXPY = os.path.join(ROOT, "tests", "_spv", "test_saxpy.spv")
 SPIN = os.path.join(ROOT, "tests", "_spv", "test_spin.spv")
+WG_BARRIER = os.path.join(ROOT, "tests", "_spv", "test_wg_barrier.spv")
 
 
 class SaxpyPush(PushConstants):
@@ -23,6 +24,10 @@ class SaxpyPush(PushConstants):
 
 class SpinPush(PushConstants):
     fields = [("iterations", "<u4")]
+
+
+class WgBarrierPush(PushConstants):
+    fields = [("rows_valid", "<u4")]
 
 
 
@@ -161,6 +166,34 @@ def test_typed_push_and_spec_errors(dev):
 
     with pytest.raises(vkmoe.VkmoeError, match="push-constant"):
         Pipeline(dev, SAXPY, push=WrongSize)
+
+
+@pytest.mark.parametrize("rows_valid", [4, 3])
+def test_wg_barrier_orders_buffer_stores(dev, rows_valid):
+    """WG_BARRIER_DEVICE (common.glsl) orders every invocation's buffer stores before the workgroup's reads after
+    it. On Mesa 22.3's lavapipe a control barrier with QueueFamily memory scope alone did not: the rows stored by
+    invocations 128..255 read as the poison from every other invocation, 248 of 512 elements per workgroup, every
+    run (the MoE stage-5 race: a token's sum read a slot row still being written)."""
+    groups = 4
+    pipe = Pipeline(dev, WG_BARRIER, push=WgBarrierPush)
+    rows, stale = dev.memory.allocate_all([4 * 512 * groups, 4 * 256 * groups])
+    try:
+        with CommandRecorder(dev) as rec:
+            rec.begin()
+            rec.fill(rows, 0x7FC00000)  # NaN: never equal to what an invocation stores
+            rec.barrier()
+            rec.dispatch(pipe, pipe.bind(rows, stale), groups, pipe.push(rows_valid=rows_valid))
+            rec.end()
+            rec.submit(wait=True)
+        seen = stale.download(np.uint32, shape=(groups, 256))
+        assert seen.sum() == 0, f"stale reads per workgroup: {seen.sum(axis=1).tolist()}"
+        expect = np.arange(512, dtype=np.float32).reshape(4, 128) + 1
+        got = rows.download(np.float32, shape=(groups, 4, 128))
+        assert np.array_equal(got[:, :rows_valid], np.broadcast_to(expect[:rows_valid], (groups, rows_valid, 128)))
+    finally:
+        rows.close()
+        stale.close()
+        pipe.close()
 
 
 def test_wait_timeout_raises_then_recovers(dev):

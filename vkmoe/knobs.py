@@ -81,6 +81,7 @@ KNOBS = {k.name: k for k in (
     Knob("VKMOE_BACKEND", None, "a backend name (vulkan or cpu)", str.lower),
     Knob("VKMOE_DISPATCH", "auto", "auto, persistent or split", _choice("auto", "persistent", "split")),
     Knob("VKMOE_DECODE", "auto", "auto, f16 or fp32", _choice("auto", "f16", "fp32")),
+    Knob("VKMOE_HADAMARD", "auto", "auto, subgroup or shared", _choice("auto", "subgroup", "shared")),
     Knob("VKMOE_GEMM_WG_PER_CU", 3, "a positive integer", _int_at_least(1)),
     Knob("VKMOE_MOE_ROWS", None, "1, 4, 8 or 16", _choice(1, 4, 8, 16, convert=int)),
     Knob("VKMOE_MOE_SPLITS", None, "two positive integers GU,D", _split_pair),

@@ -38,6 +38,9 @@ SPEC_MOE_DIRECT = 6     # direct mode: every (token, slot) row its own chunk, no
 SPEC_LINEAR_K, SPEC_LINEAR_CB, SPEC_LINEAR_ROWS, SPEC_LINEAR_HAS_BIAS = 0, 1, 2, 3
 # every decoding shader's f16 build (exl3_decode.glsl): the driver fuses the fp16 fma exactly
 SPEC_F16_FMA_FUSED = 15
+# every shader that runs the 128-point Hadamard transform (hadamard128.glsl): the subgroup size of the subgroup
+# transform, 0 for the shared-memory one (vkmoe/ops/kernels.py: hadamard_subgroup)
+SPEC_HAD_SUBGROUP = 14
 # exl3_linear_coop.comp (cooperative matrices): rows of a workgroup tile in its narrow and wide builds, k-tiles
 # decoded per k-step, the one matrix shape it multiplies (M, N, K: fp16 x fp16 -> fp32, subgroup scope), the
 # subgroup size it is written for (8 subgroups of 32 = one per 16-column tile of the band) and its row padding
@@ -69,7 +72,20 @@ ROUTE_ROWS, ROUTE_CHUNKS = 0, 1
 ROUTE_HEADER = 16
 ROUTE_CHUNK_WORDS = 3
 
-STAGE1_PAIRS_PER_ITEM = 2  # (row, 128-block) pairs per stage-1 work item
+# ----------------------------------------------------------------- the 128-point Hadamard transform
+# The subgroup transform (a subgroup owns a row, 128 / S consecutive elements per invocation) runs on subgroup
+# sizes S in this range; the shared-memory transform splits a row over HAD_SHARED_LANES invocations (2 elements
+# each) and so transforms HAD_SHARED_ROWS rows per pass (its had_buf). A pass has at most HAD_MAX_PASS_ROWS rows.
+HAD_SUBGROUP_MIN, HAD_SUBGROUP_MAX = 8, 128
+HAD_SHARED_LANES = 64
+HAD_SHARED_ROWS = WORKGROUP_SIZE // HAD_SHARED_LANES
+HAD_MAX_PASS_ROWS = WORKGROUP_SIZE // HAD_SUBGROUP_MIN
+HAD_MAX_VALS = BAND // HAD_SUBGROUP_MIN  # elements per invocation at most (hadamard128.glsl's had_v)
+# Rows one stage-1 item or one exl3_had_in workgroup transforms: 4 passes of 8 rows with subgroups of 32, one
+# pass on lavapipe's 8, 8 passes of the shared-memory transform.
+HAD_ITEM_ROWS = 32
+STAGE1_PAIRS_PER_ITEM = HAD_ITEM_ROWS // 2  # (row, 128-block) pairs per stage-1 work item: a gate and an up row each
+HAD_IN_UNITS_PER_WG = HAD_ITEM_ROWS         # (row, 128-block) units per exl3_had_in workgroup
 # The FMA GEMM core's shared reduction buffer (exl3_gemm.glsl's gemm_red): 4 k-slices x 4 rows x one band, in words.
 GEMM_RED_WORDS = 4 * 4 * BAND
 # Direct mode: a gate/up item builds its A row for the 128-blocks holding its k-tiles in that buffer (64 words per
@@ -170,22 +186,22 @@ def linear_grid(plan, n):
 
 
 def had_in_grid(m, k):
-    """exl3_had_in.comp: one workgroup per 4 (row, 128-block) pairs."""
-    return ceil_div(m * (k // BAND), 4)
+    """exl3_had_in.comp: one workgroup per HAD_IN_UNITS_PER_WG (row, 128-block) units."""
+    return ceil_div(m * (k // BAND), HAD_IN_UNITS_PER_WG)
 
 
 def coop_shared_bytes(rows):
     """Shared memory of exl3_linear_coop.comp with `rows` rows per tile: the decoded weights (a band of columns,
-    each a padded k-step of fp16), the A rows of the k-step (fp16, padded) and the tail's 4 Hadamard rows (fp32),
-    plus the 16-byte arrival flag."""
+    each a padded k-step of fp16), the A rows of the k-step (fp16, padded) and the shared-memory Hadamard's rows
+    (fp32), plus the 16-byte arrival flag."""
     line = 2 * (COOP_KSTEP * TILE + COOP_PAD)  # bytes per shared line: one column of weights or one row of A
-    return BAND * line + rows * line + 4 * 4 * BAND + 16
+    return BAND * line + rows * line + 4 * HAD_SHARED_ROWS * BAND + 16
 
 
 def coop_moe_shared_bytes():
     """Shared memory of moe_gate_up_coop.comp / moe_down_coop.comp: the linear's narrow tile (coop_shared_bytes)
-    plus the tile's A row indices and the token-done flags (16 bytes)."""
-    return coop_shared_bytes(COOP_ROWS_NARROW) + 4 * COOP_ROWS_NARROW + 16
+    plus the tile's A row indices and stage 5's token-done flags (one word per row of a Hadamard pass)."""
+    return coop_shared_bytes(COOP_ROWS_NARROW) + 4 * COOP_ROWS_NARROW + 4 * HAD_MAX_PASS_ROWS
 
 
 def dequant_grid(k, n):
@@ -210,6 +226,9 @@ def _defines():
     for name in ("K", "CB", "ROWS", "HAS_BIAS"):
         yield f"SPEC_LINEAR_{name}", str(globals()["SPEC_LINEAR_" + name])
     yield "SPEC_F16_FMA_FUSED", str(SPEC_F16_FMA_FUSED)
+    yield "SPEC_HAD_SUBGROUP", str(SPEC_HAD_SUBGROUP)
+    for name in ("SHARED_LANES", "SHARED_ROWS", "MAX_PASS_ROWS", "MAX_VALS", "IN_UNITS_PER_WG"):
+        yield f"HAD_{name}", f"{globals()['HAD_' + name]}u"
     yield "COOP_ROWS_NARROW", f"{COOP_ROWS_NARROW}u"
     yield "COOP_ROWS_WIDE", f"{COOP_ROWS_WIDE}u"
     yield "COOP_KSTEP", f"{COOP_KSTEP}u"

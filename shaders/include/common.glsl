@@ -17,11 +17,21 @@ uint wg_uniform(uint v) { return subgroupBroadcastFirst(v); }
 // 16-bit storage and one load per pair.
 float f16_at(uint word, uint index) { vec2 v = unpackHalf2x16(word); return (index & 1u) == 0u ? v.x : v.y; }
 
+// A workgroup barrier that orders the workgroup's buffer and shared-memory accesses: everything written before it
+// by any invocation of the workgroup is visible to every invocation after it.
+// Mesa 22.3's lavapipe orders memory accesses around a control barrier only when the barrier's memory scope is
+// Workgroup or Device: with QueueFamily scope (or no memory semantics) it is an execution barrier alone, and the
+// buffer stores before it can land after it (a workgroup's invocations then read each other's stores, and its
+// arrival counters count writes, that are not done yet). tests/test_vk.py::test_wg_barrier_orders_buffer_stores.
+#define WG_BARRIER_LOCAL() controlBarrier(gl_ScopeWorkgroup, gl_ScopeWorkgroup, \
+    gl_StorageSemanticsBuffer | gl_StorageSemanticsShared, gl_SemanticsAcquireRelease)
 // Everything written before this call by any invocation of the workgroup is visible device-wide to whoever
-// acquires after the release that follows (and the reverse for the acquire side).
+// acquires after the release that follows (and the reverse for the acquire side). QueueFamily scope (Device scope
+// would need vulkanMemoryModelDeviceScope), followed by WG_BARRIER_LOCAL for Mesa 22.3 (see above).
 #define WG_BARRIER_DEVICE() controlBarrier(gl_ScopeWorkgroup, gl_ScopeQueueFamily, \
     gl_StorageSemanticsBuffer | gl_StorageSemanticsShared, \
-    gl_SemanticsAcquireRelease | gl_SemanticsMakeAvailable | gl_SemanticsMakeVisible)
+    gl_SemanticsAcquireRelease | gl_SemanticsMakeAvailable | gl_SemanticsMakeVisible); \
+    WG_BARRIER_LOCAL()
 // erf for the gelu_erf activation (the MoE stages and the device block's shared expert).
 float erf_approx(float x) {  // Abramowitz-Stegun 7.1.26, |error| < 1.5e-7 (below fp16 resolution)
     float t = 1.0 / (1.0 + 0.3275911 * abs(x));

@@ -4,7 +4,7 @@
 // Work is cut into items that need no data from other workgroups except through the GEMM's last-arrival
 // counters (which never wait), so stages 3 and 5 run in whichever workgroup completes a 128-column band:
 //   route      counting sort of (token, slot) pairs by expert into chunks of <= GEMM_ROWS rows
-//   stage 1    gather + input Hadamard (gate.suh, up.suh): one item = 2 (row, 128-block) pairs
+//   stage 1    gather + input Hadamard (gate.suh, up.suh): one item = STAGE1_PAIRS_PER_ITEM (row, 128-block) pairs
 //   stage 2+3  gate/up GEMM item = (chunk, band of I, projection, k-split); the last arrival of a (chunk, band)
 //              applies the output Hadamards, the activation and the down projection's input Hadamard
 //   stage 4+5  down GEMM item = (chunk, band of H, k-split); the last arrival applies the output Hadamard,
@@ -19,7 +19,7 @@
 // gate/up item waits for nothing. Per row, every GEMM, Hadamard and sum runs in the same order as in routed mode:
 // the bits are the same for the same k-splits.
 //
-// Includer: defines WG_SIZE 256u, HAD_ROWS 4u and includes common.glsl and moe_bindings.glsl first. With
+// Includer: defines WG_SIZE 256u and includes common.glsl and moe_bindings.glsl first. With
 // MOE_COOP (and COOP_BM, EXL3_F16) the GEMMs of stages 2 and 4 run on cooperative matrices (exl3_gemm_coop.glsl:
 // moe_gate_up_coop.comp, moe_down_coop.comp): chunks of up to COOP_BM rows of one expert; the routing, stage 1
 // and the band tails (stages 3 and 5) are the same code.
@@ -61,6 +61,7 @@ bool moe_wait(uint word, uint target) {
         sync_sh_ok = spin_until_ge(word, target, pc.spin_limit, pc.loop_budget, moe_wait_spent);
     controlBarrier(gl_ScopeWorkgroup, gl_ScopeQueueFamily, gl_StorageSemanticsBuffer | gl_StorageSemanticsShared,
                    gl_SemanticsAcquireRelease | gl_SemanticsMakeVisible);
+    WG_BARRIER_LOCAL();  // Mesa 22.3: the QueueFamily-scope barrier alone does not order the reads after it (common.glsl)
     bool ok = wg_uniform(uint(sync_sh_ok)) != 0u;
     // Nobody may write sync_sh_ok again before every invocation has read it.
     barrier();
@@ -237,44 +238,45 @@ void moe_route() {
 // Rows are indexed by (token, slot), f = t * top_k + slot, not by sorted position: stage 1 then needs only the
 // expert ids, not the routing tables, so it runs beside the routing (same dispatch / same phase) instead of
 // after it. The gate/up GEMM finds a sorted row's input through route_row_flat.
+uint gu_projections() { return GATED ? 2u : 1u; }
 uint stage1_items() { return (R() * (pc.H / BAND) + STAGE1_PAIRS_PER_ITEM - 1u) / STAGE1_PAIRS_PER_ITEM; }
 uint routed_chunks() { return DIRECT ? R() : wg_uniform(route[ROUTE_CHUNKS]); }
 
-// Item u: (row, block) pairs 2u and 2u + 1; had rows: 2 * pair + (0 gate, 1 up).
+// had_v = RN16(hidden[t] * suh of projection proj of expert e) for this invocation's columns h0 .. of H; the
+// caller passes a valid (t, e) (stage 1's rows without a valid expert clamp theirs and drop the result).
+void stage1_load(uint t, uint e, uint proj, uint h0) {
+    uint xw = (t * pc.H + h0) >> 1, sw = (e * pc.H + h0) >> 1;  // h0 is even: whole fp16 pairs
+    [[unroll]] for (uint j = 0u; j < HAD_VALS; j += 2u) {
+        vec2 x = unpackHalf2x16(hidden[xw + j / 2u]);
+        vec2 s = unpackHalf2x16(proj == 0u ? gate_suh[sw + j / 2u] : up_suh[sw + j / 2u]);
+        had_v[j] = rn16(x.x * s.x);
+        had_v[j + 1u] = rn16(x.y * s.y);
+    }
+}
+
+// Item u: (row, block) pairs STAGE1_PAIRS_PER_ITEM * u ..; its rows are (pair, projection), the gate row
+// only where the activation is gated, HAD_PASS_ROWS of them per pass (no barrier with the subgroup transform).
 void moe_stage1(uint u) {
-    uint tid = gl_LocalInvocationID.x;
-    uint blocks = pc.H / 128u;
-    for (uint i = tid; i < 4u * 128u; i += WG_SIZE) {
-        uint pair = 2u * u + (i >> 8), proj = (i >> 7) & 1u, col = i & 127u;
-        uint f = pair / blocks, h = (pair % blocks) * 128u + col;
-        float v = 0.0;
+    uint blocks = pc.H / 128u, projs = gu_projections(), rows = STAGE1_PAIRS_PER_ITEM * projs, c0 = had_col0();
+    for (uint r0 = 0u; r0 < rows; r0 += HAD_PASS_ROWS) {
+        uint r = r0 + had_row();
+        uint pair = STAGE1_PAIRS_PER_ITEM * u + r / projs, proj = projs == 2u ? r & 1u : 1u;
+        uint f = r < rows ? pair / blocks : R(), h0 = (pair % blocks) * 128u + c0;  // f = R(): not a row
         int e = f < R() ? expert_ids[f] : -1;
-        if (valid_expert(e) && (GATED || proj == 1u)) {
-            uint t = f / pc.top_k;
-            uint xe = t * pc.H + h, se = uint(e) * pc.H + h;
-            float s = proj == 0u ? f16_at(gate_suh[se >> 1], se) : f16_at(up_suh[se >> 1], se);
-            v = rn16(f16_at(hidden[xe >> 1], xe) * s);
-        }
-        had_buf[i] = v;
+        bool live = valid_expert(e);
+        stage1_load(f < R() ? f / pc.top_k : 0u, live ? uint(e) : 0u, proj, h0);
+        had_transform();
+        uint sw = ((proj * R() + f) * pc.H + h0) >> 1;
+        [[unroll]] for (uint j = 0u; j < HAD_VALS; j += 2u)
+            if (live) states[sw + j / 2u] = packHalf2x16(vec2(had_v[j], had_v[j + 1u]) * HAD_SCALE);
         // A token with no valid slot (possible only through record() / forward_sorted) gets a zero output row:
-        // nobody else writes it. Slot 0's items own that row, one column per invocation, so the fill is spread
-        // over the stage-1 workgroups with no loop: one routing workgroup sweeping all m*H outputs would run past
-        // lavapipe 22.3's per-invocation loop cap and leave rows unwritten.
-        if (proj == 0u && f < R() && f % pc.top_k == 0u && !valid_expert(e) && valid_slots(f / pc.top_k) == 0u)
-            out_h[(f / pc.top_k) * pc.H + h] = 0.0;
+        // nobody else writes it. Slot 0's first rows own that row, each invocation its columns, so the fill is
+        // spread over the stage-1 workgroups with no loop: one routing workgroup sweeping all m*H outputs would
+        // run past lavapipe 22.3's per-invocation loop cap and leave rows unwritten.
+        bool zero = r % projs == 0u && f < R() && f % pc.top_k == 0u && !live && valid_slots(f / pc.top_k) == 0u;
+        [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j)
+            if (zero) out_h[(f / pc.top_k) * pc.H + h0 + j] = 0.0;
     }
-    barrier();
-    had_fwht(4u);
-    for (uint i = tid; i < 4u * 64u; i += WG_SIZE) {
-        uint pair = 2u * u + (i >> 7), proj = (i >> 6) & 1u, c2 = (i & 63u) * 2u;
-        uint f = pair / blocks, h = (pair % blocks) * 128u + c2;
-        int e = f < R() ? expert_ids[f] : -1;
-        if (valid_expert(e) && (GATED || proj == 1u)) {
-            uint b = (i >> 6) * 128u + c2;
-            states[((proj * R() + f) * pc.H + h) >> 1] = packHalf2x16(vec2(had_buf[b], had_buf[b + 1u]) * HAD_SCALE);
-        }
-    }
-    barrier();
 }
 
 // ------------------------------------------------------------------------------------------ activations
@@ -310,8 +312,8 @@ float activate(float g, float u) {
 // ------------------------------------------------------------------- shared GEMM plumbing of stages 2 and 4
 #define LAST_ARRIVAL_BUF sync_words
 #include "last_arrival.glsl"
-#include "split_sum.glsl"
-shared uint s_token_done[4];  // 16 bytes (see coop_row)
+#include "split_sum.glsl"  // moe_stage5_token
+shared uint s_token_done[HAD_MAX_PASS_ROWS];  // stage 5, per row of a pass; a multiple of 16 bytes (see coop_row)
 
 // Rows of one k-split's GEMM partial. The FMA core stores a chunk's rows at their sorted positions p0 ..; the
 // cooperative-matrix core stores whole 16-row m-tiles, so chunk c starts at row p0 + COOP_MOE_ROW_SLACK * c
@@ -326,7 +328,6 @@ uint partial_row0(uint c, uint p0) { return p0; }
 #endif
 
 // --------------------------------------------------------------------- stage 2 (+3): gate/up GEMM, activation
-uint gu_projections() { return GATED ? 2u : 1u; }
 uint gu_items_per_chunk() { return (pc.I / 128u) * gu_projections() * pc.splits_gu; }
 
 void moe_stage3(uint e, uint p0, uint q0, uint nr, uint band);
@@ -337,33 +338,19 @@ uvec4 moe_direct_item = uvec4(0u);
 uint moe_direct_kt0 = 0u;
 
 // Direct mode, whole workgroup: stage 1 of row f for one projection (the same arithmetic as moe_stage1) over the
-// 128-blocks that hold k-tiles [kt0, kt1), into gemm_red as packed fp16 words from kt0's block on. At most
-// GEMM_RED_WORDS / 64 blocks: the plan keeps kt_gu within layout.DIRECT_MAX_KT.
+// 128-blocks that hold k-tiles [kt0, kt1), into gemm_red as packed fp16 words from kt0's block on, one block per
+// Hadamard row. At most GEMM_RED_WORDS / 64 blocks: the plan keeps kt_gu within layout.DIRECT_MAX_KT. gemm_red is
+// free here: the previous item's last reads of it were followed by its arrival's barrier.
 void moe_direct_stage1(uint f, uint e, uint proj, uint kt0, uint kt1) {
-    uint tid = gl_LocalInvocationID.x;
-    uint b0 = kt0 / 8u, b1 = (kt1 + 7u) / 8u, t = f / pc.top_k;
-    for (uint bb = b0; bb < b1; bb += HAD_ROWS) {  // same trip count in every invocation (see had_fwht)
-        for (uint i = tid; i < HAD_ROWS * 128u; i += WG_SIZE) {
-            uint b = bb + (i >> 7), h = b * 128u + (i & 127u);
-            float v = 0.0;
-            if (b < b1) {
-                uint xe = t * pc.H + h, se = e * pc.H + h;
-                float s = proj == 0u ? f16_at(gate_suh[se >> 1], se) : f16_at(up_suh[se >> 1], se);
-                v = rn16(f16_at(hidden[xe >> 1], xe) * s);
-            }
-            had_buf[i] = v;
-        }
-        barrier();
-        had_fwht(HAD_ROWS);
-        for (uint i = tid; i < HAD_ROWS * 64u; i += WG_SIZE) {
-            uint b = bb + (i >> 6), c2 = (i & 63u) * 2u;
-            if (b < b1) {
-                uint src = (i >> 6) * 128u + c2;
-                gemm_red[(b - b0) * 64u + (i & 63u)] = packHalf2x16(vec2(had_buf[src], had_buf[src + 1u]) * HAD_SCALE);
-            }
-        }
-        barrier();
+    uint b0 = kt0 / 8u, nb = wg_uniform((kt1 + 7u) / 8u - b0), c0 = had_col0();
+    for (uint r0 = 0u; r0 < nb; r0 += HAD_PASS_ROWS) {  // around barriers (shared-memory transform): nb uniform
+        uint r = r0 + had_row();
+        stage1_load(f / pc.top_k, e, proj, (b0 + min(r, nb - 1u)) * 128u + c0);
+        had_transform();
+        [[unroll]] for (uint j = 0u; j < HAD_VALS; j += 2u)
+            if (r < nb) gemm_red[r * 64u + (c0 + j) / 2u] = packHalf2x16(vec2(had_v[j], had_v[j + 1u]) * HAD_SCALE);
     }
+    barrier();  // the GEMM reads the whole row
 }
 
 void moe_after_prefetch(const int a_src) {
@@ -425,49 +412,44 @@ void moe_gate_up(uint item) {
     }
 }
 
-// Partial row q (partial_row0) of projection proj, summed over the k-splits.
-float gu_sum(uint proj, uint q, uint col) {
-    uint first = (proj * pc.splits_gu * partial_rows() + q) * pc.I + col;
-    return rn16(split_sum(first, partial_rows() * pc.I, pc.splits_gu));  // the fp16 GEMM output Ig / Iu
+// had_v = partial row q (partial_row0) of projection proj at this invocation's columns n0 .. of I, summed over
+// the k-splits in split order and rounded to fp16 (the GEMM output Ig / Iu). Every lane runs the same loop (on a
+// valid row: Mesa 22.3's rule on loops beside barriers, see hadamard128.glsl).
+void gu_sum(uint proj, uint q, uint n0) {
+    [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) had_v[j] = 0.0;
+    for (uint s = 0u; s < pc.splits_gu; ++s) {
+        uint base = ((proj * pc.splits_gu + s) * partial_rows() + q) * pc.I + n0;
+        [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) had_v[j] += partial[base + j];
+    }
+    [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) had_v[j] = rn16(had_v[j]);
 }
 
-// Rows of one chunk, one 128-band of I: u = had_out(Iu, up.svh), g = had_out(Ig, gate.svh), p = act(g) * u,
-// inter = had_in(p, down.suh). Two rows per pass (had rows: 2 rr + 0 gate, 2 rr + 1 up). The chunk's rows are
-// sorted rows p0 .., their partials rows q0 .. (partial_row0).
+float s3_gate[HAD_MAX_VALS];  // stage 3: g of this invocation's columns while up is transformed (module level and fixed size, as had_v)
+
+// Rows of one chunk, one 128-band of I, one row per Hadamard lane group and HAD_PASS_ROWS per pass:
+// u = had_out(Iu, up.svh), g = had_out(Ig, gate.svh), p = act(g) * u, inter = had_in(p, down.suh). The chunk's
+// rows are sorted rows p0 .., their partials rows q0 .. (partial_row0); rows past nr run on row nr - 1, dropped.
 void moe_stage3(uint e, uint p0, uint q0, uint nr, uint band) {
-    uint tid = gl_LocalInvocationID.x;
-    for (uint r0 = 0u; r0 < nr; r0 += 2u) {
-        for (uint i = tid; i < 4u * 128u; i += WG_SIZE) {
-            uint rr = i >> 8, proj = (i >> 7) & 1u, col = i & 127u;
-            // gu_sum runs in every lane (its loop must not diverge, see hadamard128.glsl); rows past the chunk
-            // read a valid row and are dropped.
-            float v = gu_sum(proj, q0 + min(r0 + rr, nr - 1u), band * 128u + col);
-            had_buf[i] = (r0 + rr < nr && (GATED || proj == 1u)) ? v : 0.0;
+    uint n0 = band * 128u + had_col0(), se = e * pc.I + n0;
+    for (uint r0 = 0u; r0 < nr; r0 += HAD_PASS_ROWS) {
+        uint r = r0 + had_row(), q = q0 + min(r, nr - 1u);
+        [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) s3_gate[j] = 0.0;  // g of a gateless activation
+        if (GATED) {
+            gu_sum(0u, q, n0);
+            had_transform();
+            [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j)
+                s3_gate[j] = rn16(rn16(had_v[j] * HAD_SCALE) * f16_at(gate_svh[(se + j) >> 1], se + j));
         }
-        barrier();
-        had_fwht(4u);
-        float p = 0.0;
-        uint i = tid;  // WG_SIZE == 2 * 128: one element of the two rows per invocation
-        uint rr = i >> 7, col = i & 127u, n = band * 128u + col;
-        if (r0 + rr < nr) {
-            uint se = e * pc.I + n;
-            float u = rn16(rn16(had_buf[(2u * rr + 1u) * 128u + col] * HAD_SCALE) * f16_at(up_svh[se >> 1], se));
-            float g = GATED ? rn16(rn16(had_buf[(2u * rr) * 128u + col] * HAD_SCALE) * f16_at(gate_svh[se >> 1], se)) : 0.0;
-            p = rn16(activate(g, u) * f16_at(down_suh[se >> 1], se));
+        gu_sum(1u, q, n0);
+        had_transform();
+        [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) {
+            float u = rn16(rn16(had_v[j] * HAD_SCALE) * f16_at(up_svh[(se + j) >> 1], se + j));
+            had_v[j] = rn16(activate(s3_gate[j], u) * f16_at(down_suh[(se + j) >> 1], se + j));
         }
-        barrier();
-        had_buf[i] = p;
-        barrier();
-        had_fwht(2u);
-        if (i < 128u) {
-            uint rr2 = i >> 6, c2 = (i & 63u) * 2u;
-            if (r0 + rr2 < nr) {
-                uint b = rr2 * 128u + c2;
-                inter[((p0 + r0 + rr2) * pc.I + band * 128u + c2) >> 1] =
-                    packHalf2x16(vec2(had_buf[b], had_buf[b + 1u]) * HAD_SCALE);
-            }
-        }
-        barrier();
+        had_transform();
+        uint iw = ((p0 + r) * pc.I + n0) >> 1;
+        [[unroll]] for (uint j = 0u; j < HAD_VALS; j += 2u)
+            if (r < nr) inter[iw + j / 2u] = packHalf2x16(vec2(had_v[j], had_v[j + 1u]) * HAD_SCALE);
     }
 }
 
@@ -526,7 +508,9 @@ void moe_down(uint item) {
 // Direct mode: the last of all (slot, k-split) arrivals of token t's band applies each slot's output Hadamard,
 // routing weight and svh and sums the slots in slot order into out_h: the same arithmetic as moe_stage5, in one
 // reduction level instead of a tail per slot and then a token sum after a second counter (that second level cost
-// 5.2 us of the 17.8 us down phase of the Qwen3 shape at m = 1 on the H200: BENCHMARKS.md).
+// 5.2 us of the 17.8 us down phase of the Qwen3 shape at m = 1 on the H200: BENCHMARKS.md). The slots of a pass
+// are summed across rows, so it runs the shared-memory transform (4 rows of had_buf) whatever HAD_SUBGROUP says:
+// the same bits either way (hadamard128.glsl).
 void moe_stage5_token(uint t, uint band) {
     uint tid = gl_LocalInvocationID.x;
     float acc = 0.0;  // invocations < 128: column band * 128 + tid
@@ -558,43 +542,39 @@ void moe_stage5_token(uint t, uint band) {
     if (tid < 128u) out_h[t * pc.H + band * 128u + tid] = acc;
 }
 
+// Rows of one chunk, one 128-band of H, HAD_PASS_ROWS per pass: the down output Hadamard, routing weight and svh
+// into each row's (token, slot) row of rows_out; the last slot of a token to arrive sums the token's rows.
 void moe_stage5(uint e, uint p0, uint q0, uint nr, uint band) {
-    uint tid = gl_LocalInvocationID.x;
-    for (uint r0 = 0u; r0 < nr; r0 += 4u) {
-        for (uint i = tid; i < 4u * 128u; i += WG_SIZE) {
-            uint rr = i >> 7, col = band * 128u + (i & 127u);
-            uint q = q0 + min(r0 + rr, nr - 1u);  // every lane loops the same (see gu_sum's caller)
-            float v = split_sum(partial_down() + q * pc.H + col, partial_rows() * pc.H, pc.splits_d);
-            had_buf[i] = r0 + rr < nr ? rn16(v) : 0.0;  // the fp16 down GEMM output
+    uint tid = gl_LocalInvocationID.x, h0 = band * 128u + had_col0(), se = e * pc.H + h0;
+    for (uint r0 = 0u; r0 < nr; r0 += HAD_PASS_ROWS) {
+        uint r = r0 + had_row(), q = q0 + min(r, nr - 1u);  // every lane loops the same (see gu_sum)
+        [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) had_v[j] = 0.0;
+        for (uint s = 0u; s < pc.splits_d; ++s) {
+            uint base = partial_down() + (s * partial_rows() + q) * pc.H + h0;
+            [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) had_v[j] += partial[base + j];
         }
-        barrier();
-        had_fwht(4u);
-        for (uint i = tid; i < 4u * 128u; i += WG_SIZE) {
-            uint rr = i >> 7, col = band * 128u + (i & 127u);
-            if (r0 + rr < nr) {
-                uint fidx = moe_row_flat(p0 + r0 + rr);
-                float w = rn16(expert_weights[fidx]);
-                uint se = e * pc.H + col;
-                rows_out[fidx * pc.H + col] = (had_buf[i] * (HAD_SCALE * w)) * f16_at(down_svh[se >> 1], se);
+        [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) had_v[j] = rn16(had_v[j]);  // the fp16 down GEMM output
+        had_transform();
+        uint fidx = moe_row_flat(p0 + min(r, nr - 1u));
+        float w = rn16(expert_weights[fidx]);
+        [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j)
+            if (r < nr) rows_out[fidx * pc.H + h0 + j] = (had_v[j] * (HAD_SCALE * w)) * f16_at(down_svh[(se + j) >> 1], se + j);
+        WG_BARRIER_DEVICE();
+        if (tid < HAD_PASS_ROWS) {  // one invocation per row of the pass counts the row's arrival
+            bool done = false;
+            if (r0 + tid < nr) {
+                uint t = moe_row_flat(p0 + r0 + tid) / pc.top_k;
+                uint counter = counters_tok() + t * (pc.H / 128u) + band;
+                uint arrived = atomicAdd(sync_words[counter], 1u, gl_ScopeQueueFamily, gl_StorageSemanticsBuffer,
+                                         gl_SemanticsAcquireRelease | gl_SemanticsMakeAvailable | gl_SemanticsMakeVisible);
+                done = arrived + 1u == moe_token_slots(t);
+                if (done) atomicStore(sync_words[counter], 0u, gl_ScopeQueueFamily, gl_StorageSemanticsBuffer, gl_SemanticsRelaxed);
             }
+            s_token_done[tid] = uint(done);
         }
         WG_BARRIER_DEVICE();
-        if (tid == 0u) {
-            [[unroll]] for (uint rr = 0u; rr < 4u; ++rr) {
-                bool done = false;
-                if (r0 + rr < nr) {
-                    uint t = moe_row_flat(p0 + r0 + rr) / pc.top_k;
-                    uint counter = counters_tok() + t * (pc.H / 128u) + band;
-                    uint arrived = atomicAdd(sync_words[counter], 1u, gl_ScopeQueueFamily, gl_StorageSemanticsBuffer,
-                                             gl_SemanticsAcquireRelease | gl_SemanticsMakeAvailable | gl_SemanticsMakeVisible);
-                    done = arrived + 1u == moe_token_slots(t);
-                    if (done) atomicStore(sync_words[counter], 0u, gl_ScopeQueueFamily, gl_StorageSemanticsBuffer, gl_SemanticsRelaxed);
-                }
-                s_token_done[rr] = uint(done);
-            }
-        }
-        WG_BARRIER_DEVICE();
-        for (uint i = tid; i < 4u * 128u; i += WG_SIZE) {
+        // The token sums, one column per invocation (the same trip count in every invocation).
+        for (uint i = tid; i < HAD_PASS_ROWS * 128u; i += WG_SIZE) {
             uint rr = i >> 7, col = band * 128u + (i & 127u);
             if (s_token_done[rr] != 0u) {
                 uint t = moe_row_flat(p0 + r0 + rr) / pc.top_k;

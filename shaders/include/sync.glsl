@@ -133,8 +133,14 @@ bool sync_group_barrier(uint base, uint n, uint max_iters, uint budget, inout ui
 
 // The whole-workgroup barrier. Its control barriers carry QueueFamily-scope release/acquire so that buffer writes by
 // any invocation before the call are visible to every invocation of every workgroup after it.
+#ifndef WG_BARRIER_LOCAL  // common.glsl's (the probes include sync.glsl without it)
+#define WG_BARRIER_LOCAL() controlBarrier(gl_ScopeWorkgroup, gl_ScopeWorkgroup, \
+    gl_StorageSemanticsBuffer | gl_StorageSemanticsShared, gl_SemanticsAcquireRelease)
+#endif
+// WG_BARRIER_LOCAL (common.glsl) after it: Mesa 22.3 does not order memory accesses around a QueueFamily-scope one.
 #define SYNC_WG_BARRIER() controlBarrier(gl_ScopeWorkgroup, gl_ScopeQueueFamily, \
-    gl_StorageSemanticsBuffer | gl_StorageSemanticsShared, SYNC_ACQREL)
+    gl_StorageSemanticsBuffer | gl_StorageSemanticsShared, SYNC_ACQREL); \
+    WG_BARRIER_LOCAL()
 
 bool sync_group_barrier_wg(uint base, uint n, uint max_iters, uint budget, inout uint spent) {
     SYNC_WG_BARRIER();

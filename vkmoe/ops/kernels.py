@@ -8,8 +8,8 @@ import weakref
 
 from .. import knobs
 from ..exl3.decode import MUL1_C0, MUL1_C1
-from ..layout import COOP_ROWS_WIDE, SPEC_F16_FMA_FUSED
-from ..vk import Pipeline, PushConstants, VkmoeError
+from ..layout import COOP_ROWS_WIDE, HAD_SUBGROUP_MAX, HAD_SUBGROUP_MIN, SPEC_F16_FMA_FUSED, SPEC_HAD_SUBGROUP
+from ..vk import Pipeline, PushConstants, VkmoeError, spirv
 from ..vk.pipeline import SPV_DIR, load_spirv
 from ..vk.quirks import measure_f16_fma_rounds_once
 
@@ -58,6 +58,38 @@ def decode_variant(device):
     return "idot"
 
 
+def hadamard_subgroup_unfit(device):
+    """Why the subgroup Hadamard transform (hadamard128.glsl: a subgroup owns a 128-element row) cannot run on
+    `device`, or None when it can: the subgroup size must be a power of two in [HAD_SUBGROUP_MIN, HAD_SUBGROUP_MAX]
+    that the pipeline is sure to get, in full subgroups (the transform shuffles between all of a row's lanes)."""
+    size = device.subgroup_size
+    if not HAD_SUBGROUP_MIN <= size <= HAD_SUBGROUP_MAX or size & (size - 1):
+        return f"its subgroup size {size} is not a power of two in {HAD_SUBGROUP_MIN}..{HAD_SUBGROUP_MAX}"
+    if not device.features.get("computeFullSubgroups"):
+        return "it cannot promise full subgroups (no computeFullSubgroups)"
+    if device.min_subgroup_size != device.max_subgroup_size and not device.can_require_subgroup_size:
+        return "its subgroup size varies and a compute pipeline cannot require one"
+    return None
+
+
+def hadamard_subgroup(device):
+    """The subgroup size the 128-point Hadamard transforms run on (specialization constant SPEC_HAD_SUBGROUP),
+    0 for the shared-memory transform: VKMOE_HADAMARD=shared, or auto where the subgroup one cannot run. Both give
+    the same bits."""
+    choice = knobs.get("VKMOE_HADAMARD")
+    if choice == "shared":
+        return 0
+    why = hadamard_subgroup_unfit(device)
+    if why is not None and choice == "subgroup":
+        raise VkmoeError(f"VKMOE_HADAMARD=subgroup: {device.name} cannot run the subgroup transform: {why}")
+    return 0 if why is not None else device.subgroup_size
+
+
+@functools.lru_cache(maxsize=None)
+def _declared_spec(name):
+    return frozenset(spirv.reflect(load_spirv(name)).spec_constants)
+
+
 def coop_linear_name(device, rows):
     """The build of exl3_linear_coop.comp for `device` and a tile of `rows` rows (ops.plan.coop_rows)."""
     return "exl3_linear_coop" + ("_idot" if uses_idot(device) else "") + ("_wide" if rows == COOP_ROWS_WIDE else "")
@@ -82,13 +114,22 @@ def pipeline(device, shader, push, spec=None, decode=False, binding_count=None):
         # the exact fused fp16 fma for mul1 only where the driver was measured to fuse it
         spec = dict(spec or {})
         spec[SPEC_F16_FMA_FUSED] = f16_fma_fused(device)
+    had = 0
+    # A shader that runs the 128-point Hadamard transform gets hadamard_subgroup's choice, unless the caller pinned
+    # the shared-memory transform (spec[SPEC_HAD_SUBGROUP] = 0: a driver workaround, Exl3MoeMlp._hadamard_pin).
+    if SPEC_HAD_SUBGROUP in _declared_spec(name) and (spec or {}).get(SPEC_HAD_SUBGROUP) != 0:
+        spec = dict(spec or {})
+        spec[SPEC_HAD_SUBGROUP] = had = hadamard_subgroup(device)
     key = (name, tuple(sorted((spec or {}).items())))
     with _lock:
         cache = _pipelines.setdefault(device, {})
         pipe = cache.get(key)
         if pipe is None or pipe.handle is None:
+            # The subgroup transform needs its subgroups full and of the size it was specialized for.
+            required = had if had and device.min_subgroup_size != device.max_subgroup_size else None
             pipe = cache[key] = Pipeline(device, name, push=push, spec=spec, binding_count=binding_count,
-                                         allow_unused_spec=binding_count is not None)
+                                         allow_unused_spec=binding_count is not None, full_subgroups=bool(had),
+                                         required_subgroup_size=required)
         return pipe
 
 

@@ -420,7 +420,17 @@ class Exl3MoeMlp:
 
     # ----------------------------------------------------------------------------------------- recording
     def _spec(self, plan):
-        return moe_spec(plan, self.bits, self.codebook, self.activation)
+        return {**moe_spec(plan, self.bits, self.codebook, self.activation), **self._hadamard_pin(plan)}
+
+    def _hadamard_pin(self, plan):
+        """{SPEC_HAD_SUBGROUP: 0} where this layer's pipelines must keep the shared-memory Hadamard transform:
+        direct-mode batches on Mesa 22.3's lavapipe (the driver with the loop cap). There the subgroup build lost
+        gate/up k-split arrivals when a split's k-range was not a multiple of 4 tiles (kt_gu = 6: two of three
+        never counted, so stage 3 never ran), even with a direct stage 1 reduced to one store and a barrier;
+        Mesa 25 runs it right. The cause is not found."""
+        if plan.direct and self.device.quirks.get("loop_iteration_cap"):
+            return {layout.SPEC_HAD_SUBGROUP: 0}
+        return {}
 
     def _scratch_for(self, m, top_k):
         """The scratch of batch shape (m, top_k), made on first use. A server sees every m, so a new shape first

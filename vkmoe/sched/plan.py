@@ -13,7 +13,7 @@ from ..layout import PERSISTENT_ROUTE_MAX_EXPERTS
 from . import residency
 
 # The stand-in probe's variant whose verdict (spin barrier, message passing) the persistent kernel relies on: 256
-# invocations, 16 KiB of shared memory (the kernel uses < 16 KiB: had_buf 2 KiB, gemm_red 8 KiB, routing 3 KiB).
+# invocations, 16 KiB of shared memory (the kernel uses < 16 KiB: had_buf 2 KiB, gemm_red 8 KiB, routing 3.5 KiB).
 PERSISTENT_VARIANT = (256, 16384)
 DENY = ("moltenvk", "apple", "mali")  # default-deny: no forward progress guarantee observed/known
 
@@ -69,7 +69,8 @@ def work_loop_iterations(moe_plan, E, H, I, gated):
     """A generous bound on the loop iterations one invocation may spend on work items if it ended up doing all
     of them (tickets are dynamic, so one workgroup can). Only matters on drivers with a loop cap."""
     p = moe_plan
-    stage1 = layout.stage1_items(p.m, p.top_k, H) * 40
+    # ~40 per Hadamard pass of the shared-memory transform (the one with loops), HAD_SHARED_ROWS rows a pass
+    stage1 = layout.stage1_items(p.m, p.top_k, H) * layout.ceil_div(2 * layout.STAGE1_PAIRS_PER_ITEM, layout.HAD_SHARED_ROWS) * 40
     gate_up = p.max_chunks * layout.gate_up_items_per_chunk(I, gated, p.splits_gu) * (p.kt_gu // 4 + 80)
     down = p.max_chunks * layout.down_items_per_chunk(H, p.splits_d) * (p.kt_d // 4 + 80)
     return 2000 + stage1 + gate_up + down

@@ -316,6 +316,7 @@ class Device:
         self.subgroup_operations = subgroup.supportedOperations
         self.min_subgroup_size = sgc.minSubgroupSize if sgc else self.subgroup_size
         self.max_subgroup_size = sgc.maxSubgroupSize if sgc else self.subgroup_size
+        self._size_control_stages = sgc.requiredSubgroupSizeStages if sgc else 0
         if v12 is not None:
             self.driver_name = ffi.string(v12.driverName).decode()
             self.driver_info = ffi.string(v12.driverInfo).decode()
@@ -387,6 +388,12 @@ class Device:
             return False
         self.cooperative_matrix_shapes = _cooperative_matrix_shapes(self.instance.handle, self.physical)
         return True
+
+    @property
+    def can_require_subgroup_size(self):
+        """Whether a compute pipeline may ask for a subgroup size (Pipeline(required_subgroup_size=...))."""
+        return bool(self.features.get("subgroupSizeControl")
+                    and self._size_control_stages & vk.VK_SHADER_STAGE_COMPUTE_BIT)
 
     def _check_subgroup_ops(self, subgroup):
         """Subgroup operations every vkmoe kernel uses (Vulkan 1.1 reports them for the compute stage): what is

@@ -69,6 +69,9 @@ class PushConstants:
         return self._record.tobytes()
 
 
+# VK_PIPELINE_SHADER_STAGE_CREATE_REQUIRE_FULL_SUBGROUPS_BIT (Vulkan 1.3): the binding defines only the EXT alias,
+# as None
+REQUIRE_FULL_SUBGROUPS = 0x2
 _SPEC_PACK = {"bool": "<I", "int32": "<i", "uint32": "<I", "float32": "<f"}
 
 
@@ -76,7 +79,7 @@ class Pipeline:
     """One compute pipeline: shader module, descriptor set layout (storage buffers 0..n-1), layout, pipeline."""
 
     def __init__(self, device, shader, push=None, spec=None, required_subgroup_size=None, binding_count=None,
-                 allow_unused_spec=False):
+                 allow_unused_spec=False, full_subgroups=False):
         self.device = device
         self.name = shader
         code = load_spirv(shader)
@@ -99,6 +102,8 @@ class Pipeline:
         self.binding_count = binding_count
         self.spec = dict(spec or {})
         self._allow_unused_spec = allow_unused_spec
+        # full_subgroups: every subgroup of a workgroup has all its invocations (the device's computeFullSubgroups)
+        self._full_subgroups = full_subgroups
         h = device.handle
         self.handle = self.layout = self.set_layout = self._module = None
         with device.use():  # a concurrent Device.close() waits until the pipeline exists and is tracked
@@ -175,6 +180,8 @@ class Pipeline:
             spec_info.pData = blob
             stage.pSpecializationInfo = spec_info
             keep += [map_entries, blob, spec_info]
+        if self._full_subgroups:
+            stage.flags = REQUIRE_FULL_SUBGROUPS
         if required_subgroup_size:
             req = ffi.new("VkPipelineShaderStageRequiredSubgroupSizeCreateInfo*")
             req.sType = vk.VK_STRUCTURE_TYPE_PIPELINE_SHADER_STAGE_REQUIRED_SUBGROUP_SIZE_CREATE_INFO
