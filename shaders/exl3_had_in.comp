@@ -17,9 +17,11 @@ void main() {
     uint units = pc.m * (pc.k / 128u), c0 = had_col0();
     for (uint r0 = 0u; r0 < HAD_IN_UNITS_PER_WG; r0 += HAD_PASS_ROWS) {
         uint unit = gl_WorkGroupID.x * HAD_IN_UNITS_PER_WG + r0 + had_row();
-        // Units past the end transform unit 0 and are dropped; this invocation's columns of the row start at
-        // word w (whole fp16 pairs: c0 is even).
-        uint w = (unit < units ? unit * 128u + c0 : c0) >> 1, sw = w % (pc.k / 2u);
+        // Units past the end, or past this workgroup's (a pass of more rows than HAD_IN_UNITS_PER_WG), transform
+        // unit 0 and are dropped; this invocation's columns of the row start at word w (whole fp16 pairs: c0 is
+        // even).
+        bool mine = r0 + had_row() < HAD_IN_UNITS_PER_WG && unit < units;
+        uint w = (mine ? unit * 128u + c0 : c0) >> 1, sw = w % (pc.k / 2u);
         [[unroll]] for (uint j = 0u; j < HAD_VALS; j += 2u) {
             vec2 xs = unpackHalf2x16(x[w + j / 2u]), s = unpackHalf2x16(suh[sw + j / 2u]);
             had_v[j] = rn16(xs.x * s.x);
@@ -27,6 +29,6 @@ void main() {
         }
         had_transform();
         [[unroll]] for (uint j = 0u; j < HAD_VALS; j += 2u)
-            if (unit < units) y[w + j / 2u] = packHalf2x16(vec2(had_v[j], had_v[j + 1u]) * HAD_SCALE);
+            if (mine) y[w + j / 2u] = packHalf2x16(vec2(had_v[j], had_v[j + 1u]) * HAD_SCALE);
     }
 }

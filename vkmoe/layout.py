@@ -85,7 +85,11 @@ HAD_MAX_VALS = BAND // HAD_SUBGROUP_MIN  # elements per invocation at most (hada
 # pass on lavapipe's 8, 8 passes of the shared-memory transform.
 HAD_ITEM_ROWS = 32
 STAGE1_PAIRS_PER_ITEM = HAD_ITEM_ROWS // 2  # (row, 128-block) pairs per stage-1 work item: a gate and an up row each
-HAD_IN_UNITS_PER_WG = HAD_ITEM_ROWS         # (row, 128-block) units per exl3_had_in workgroup
+# (row, 128-block) units per exl3_had_in workgroup: one pass of the shared-memory transform (a subgroup transform's
+# pass leaves half its rows idle). Small: a decode-size linear has few units (16 for k = 2048 at m = 1), and 32 per
+# workgroup ran them all in ONE workgroup (H200, 2048 x 768 at m = 1: 19.3 us vs 14.0 with 4 per workgroup); at
+# prefill sizes the input Hadamard is under 1 % of the linear either way.
+HAD_IN_UNITS_PER_WG = HAD_SHARED_ROWS
 # The FMA GEMM core's shared reduction buffer (exl3_gemm.glsl's gemm_red): 4 k-slices x 4 rows x one band, in words.
 GEMM_RED_WORDS = 4 * 4 * BAND
 # Direct mode: a gate/up item builds its A row for the 128-blocks holding its k-tiles in that buffer (64 words per
