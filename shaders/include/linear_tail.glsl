@@ -5,16 +5,15 @@
 #ifndef LINEAR_TAIL_GLSL
 #define LINEAR_TAIL_GLSL
 
+#include "split_sum.glsl"
+
 // Rows row0 .. row0+nr-1 of one band, HAD_PASS_ROWS per pass (nr uniform); split s of a row's partial is at
 // s * split_stride + row * n + column. Rows past nr run on row nr - 1 and are dropped.
 void linear_output_band(uint band, uint row0, uint nr, uint split_stride) {
     uint c = band * BAND + had_col0();
     for (uint r0 = 0u; r0 < nr; r0 += HAD_PASS_ROWS) {
         uint r = r0 + had_row(), e = (row0 + min(r, nr - 1u)) * pc.n + c;
-        [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) had_v[j] = 0.0;
-        for (uint s = 0u; s < pc.splits; ++s) {  // in split order, every lane the same trip count
-            [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) had_v[j] += partial[s * split_stride + e + j];
-        }
+        split_sum_had(e, split_stride, pc.splits);  // every lane the same trip count
         had_transform();
         [[unroll]] for (uint j = 0u; j < HAD_VALS; j += 2u) {  // fp16 pairs of the band
             vec2 s = unpackHalf2x16(svh[(c + j) >> 1]);

@@ -312,7 +312,7 @@ float activate(float g, float u) {
 // ------------------------------------------------------------------- shared GEMM plumbing of stages 2 and 4
 #define LAST_ARRIVAL_BUF sync_words
 #include "last_arrival.glsl"
-#include "split_sum.glsl"  // moe_stage5_token
+#include "split_sum.glsl"
 shared uint s_token_done[HAD_MAX_PASS_ROWS];  // stage 5, per row of a pass; a multiple of 16 bytes (see coop_row)
 
 // Rows of one k-split's GEMM partial. The FMA core stores a chunk's rows at their sorted positions p0 ..; the
@@ -416,11 +416,7 @@ void moe_gate_up(uint item) {
 // the k-splits in split order and rounded to fp16 (the GEMM output Ig / Iu). Every lane runs the same loop (on a
 // valid row: Mesa 22.3's rule on loops beside barriers, see hadamard128.glsl).
 void gu_sum(uint proj, uint q, uint n0) {
-    [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) had_v[j] = 0.0;
-    for (uint s = 0u; s < pc.splits_gu; ++s) {
-        uint base = ((proj * pc.splits_gu + s) * partial_rows() + q) * pc.I + n0;
-        [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) had_v[j] += partial[base + j];
-    }
+    split_sum_had((proj * pc.splits_gu * partial_rows() + q) * pc.I + n0, partial_rows() * pc.I, pc.splits_gu);
     [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) had_v[j] = rn16(had_v[j]);
 }
 
@@ -548,11 +544,7 @@ void moe_stage5(uint e, uint p0, uint q0, uint nr, uint band) {
     uint tid = gl_LocalInvocationID.x, h0 = band * 128u + had_col0(), se = e * pc.H + h0;
     for (uint r0 = 0u; r0 < nr; r0 += HAD_PASS_ROWS) {
         uint r = r0 + had_row(), q = q0 + min(r, nr - 1u);  // every lane loops the same (see gu_sum)
-        [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) had_v[j] = 0.0;
-        for (uint s = 0u; s < pc.splits_d; ++s) {
-            uint base = partial_down() + (s * partial_rows() + q) * pc.H + h0;
-            [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) had_v[j] += partial[base + j];
-        }
+        split_sum_had(partial_down() + q * pc.H + h0, partial_rows() * pc.H, pc.splits_d);
         [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) had_v[j] = rn16(had_v[j]);  // the fp16 down GEMM output
         had_transform();
         uint fidx = moe_row_flat(p0 + min(r, nr - 1u));

@@ -22,4 +22,22 @@ float split_sum(uint first, uint stride, uint n) {
     return v;
 }
 
+#ifdef HADAMARD128_GLSL
+// had_v[j] (j < HAD_VALS) = the sum over the n k-splits of partial[first + s * stride + j], in split order: the
+// Hadamard tails' form of split_sum (each invocation holds HAD_VALS consecutive columns of its row). Same bits as the
+// plain loop; the same every-invocation rule on n.
+void split_sum_had(uint first, uint stride, uint n) {
+    [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) had_v[j] = 0.0;
+    for (uint s0 = 0u; s0 < n; s0 += SPLIT_SUM_BATCH) {
+        float x[SPLIT_SUM_BATCH][HAD_MAX_VALS];
+        [[unroll]] for (uint b = 0u; b < SPLIT_SUM_BATCH; ++b) {
+            uint base = first + min(s0 + b, n - 1u) * stride;
+            [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) x[b][j] = partial[base + j];
+        }
+        [[unroll]] for (uint b = 0u; b < SPLIT_SUM_BATCH; ++b)
+            if (s0 + b < n) { [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) had_v[j] += x[b][j]; }
+    }
+}
+#endif
+
 #endif
