@@ -524,7 +524,9 @@ void moe_stage5_token(uint t, uint band) {
             int e = s0 + rr < pc.top_k ? expert_ids[f] : -1;
             if (valid_expert(e)) {
                 uint se = uint(e) * pc.H + col;
-                had_buf[i] = (had_buf[i] * (HAD_SCALE * rn16(expert_weights[f]))) * f16_at(down_svh[se >> 1], se);
+                float v = (had_buf[i] * (HAD_SCALE * rn16(expert_weights[f]))) * f16_at(down_svh[se >> 1], se);
+                had_buf[i] = v;
+                rows_out[f * pc.H + col] = v;  // the (token, slot) rows too: forward_rows (a sharded layer) reads them
             }
         }
         barrier();

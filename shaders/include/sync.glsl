@@ -133,14 +133,17 @@ bool sync_group_barrier(uint base, uint n, uint max_iters, uint budget, inout ui
 
 // The whole-workgroup barrier. Its control barriers carry QueueFamily-scope release/acquire so that buffer writes by
 // any invocation before the call are visible to every invocation of every workgroup after it.
-#ifndef WG_BARRIER_LOCAL  // common.glsl's (the probes include sync.glsl without it)
-#define WG_BARRIER_LOCAL() controlBarrier(gl_ScopeWorkgroup, gl_ScopeWorkgroup, \
-    gl_StorageSemanticsBuffer | gl_StorageSemanticsShared, gl_SemanticsAcquireRelease)
-#endif
-// WG_BARRIER_LOCAL (common.glsl) after it: Mesa 22.3 does not order memory accesses around a QueueFamily-scope one.
+// The kernels (which include common.glsl) pass WG_BARRIER_LOCAL after it: Mesa 22.3 does not order memory accesses
+// around a QueueFamily-scope control barrier (common.glsl). The probes include sync.glsl alone and keep the single
+// barrier: on Mesa 22.3 the second one made the barrier probe's bounded spins run out (tests/test_probe.py).
+#ifdef WG_BARRIER_LOCAL
 #define SYNC_WG_BARRIER() controlBarrier(gl_ScopeWorkgroup, gl_ScopeQueueFamily, \
     gl_StorageSemanticsBuffer | gl_StorageSemanticsShared, SYNC_ACQREL); \
     WG_BARRIER_LOCAL()
+#else
+#define SYNC_WG_BARRIER() controlBarrier(gl_ScopeWorkgroup, gl_ScopeQueueFamily, \
+    gl_StorageSemanticsBuffer | gl_StorageSemanticsShared, SYNC_ACQREL)
+#endif
 
 bool sync_group_barrier_wg(uint base, uint n, uint max_iters, uint budget, inout uint spent) {
     SYNC_WG_BARRIER();
