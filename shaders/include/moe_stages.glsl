@@ -61,7 +61,6 @@ bool moe_wait(uint word, uint target) {
         sync_sh_ok = spin_until_ge(word, target, pc.spin_limit, pc.loop_budget, moe_wait_spent);
     controlBarrier(gl_ScopeWorkgroup, gl_ScopeQueueFamily, gl_StorageSemanticsBuffer | gl_StorageSemanticsShared,
                    gl_SemanticsAcquireRelease | gl_SemanticsMakeVisible);
-    WG_BARRIER_LOCAL();  // Mesa 22.3: the QueueFamily-scope barrier alone does not order the reads after it (common.glsl)
     bool ok = wg_uniform(uint(sync_sh_ok)) != 0u;
     // Nobody may write sync_sh_ok again before every invocation has read it.
     barrier();

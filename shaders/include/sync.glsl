@@ -133,17 +133,11 @@ bool sync_group_barrier(uint base, uint n, uint max_iters, uint budget, inout ui
 
 // The whole-workgroup barrier. Its control barriers carry QueueFamily-scope release/acquire so that buffer writes by
 // any invocation before the call are visible to every invocation of every workgroup after it.
-// The kernels (which include common.glsl) pass WG_BARRIER_LOCAL after it: Mesa 22.3 does not order memory accesses
-// around a QueueFamily-scope control barrier (common.glsl). The probes include sync.glsl alone and keep the single
-// barrier: on Mesa 22.3 the second one made the barrier probe's bounded spins run out (tests/test_probe.py).
-#ifdef WG_BARRIER_LOCAL
-#define SYNC_WG_BARRIER() controlBarrier(gl_ScopeWorkgroup, gl_ScopeQueueFamily, \
-    gl_StorageSemanticsBuffer | gl_StorageSemanticsShared, SYNC_ACQREL); \
-    WG_BARRIER_LOCAL()
-#else
+// A single barrier, no WG_BARRIER_LOCAL after it (unlike common.glsl's WG_BARRIER_DEVICE): a second, Workgroup-scope
+// barrier around the bounded spins made them run out on Mesa 22.3, deterministically in the barrier probe
+// (tests/test_probe.py) and intermittently in persistent launches (fresh-clone CI runs of a357da2 and ed24ca3).
 #define SYNC_WG_BARRIER() controlBarrier(gl_ScopeWorkgroup, gl_ScopeQueueFamily, \
     gl_StorageSemanticsBuffer | gl_StorageSemanticsShared, SYNC_ACQREL)
-#endif
 
 bool sync_group_barrier_wg(uint base, uint n, uint max_iters, uint budget, inout uint spent) {
     SYNC_WG_BARRIER();
