@@ -77,6 +77,31 @@ def test_scheduler_state_resets_itself_over_100_launches(layers):
     assert not words.any(), np.nonzero(words)[0][:24]
 
 
+def test_routed_launches_wait_without_running_out_of_spins(device, monkeypatch):
+    """Routed persistent launches of a golden layer, again and again: every one must finish persistent, with
+    split's bits. On Mesa 22.3 (a loop cap: spins bounded in iterations) one invocation's polls ran out while the
+    other workgroup (one CPU thread) still worked, in 10-15 of 40 such launches on an idle 2-core machine; the
+    pipeline is specialized there to spin with the whole workgroup (moe_spin_paced), and only there."""
+    from vkmoe import layout
+    path = next(p for p in golden_files() if "b_mixed_bits" in p)
+    L = load_layer(path)
+    monkeypatch.setenv("VKMOE_MOE_DIRECT", "off")  # routed: routing, stage 1, then the dependency waits
+    monkeypatch.setenv("VKMOE_MOE_SPLITS", "2,2")  # test_direct.py's plan of this layer: its pipelines, compiled once
+    moe = vkmoe.Exl3MoeMlp(device, L.gate, L.up, L.down, activation=L.activation, act_limit=L.act_limit)
+    try:
+        call = max(L.calls, key=lambda c: c["selected"].shape[0])
+        want = moe(call["x"], call["selected"], call["weights"], dispatch="split")
+        assert moe.last_run["plan"]["direct"] is False
+        for i in range(16):
+            out = moe(call["x"], call["selected"], call["weights"], dispatch="persistent")
+            assert moe.last_run["mode"] == "persistent", (i, moe.last_run["fallback_reason"])
+            assert np.array_equal(_bits(out), _bits(want)), i
+        spec = moe._persistent_pipeline(moe._scratch_for(*call["selected"].shape).plan).spec
+        assert bool(spec.get(layout.SPEC_MOE_PACED_SPIN)) is bool(device.quirks.get("loop_iteration_cap"))
+    finally:
+        moe.close()
+
+
 def test_forced_oversubscription_falls_back_to_split_quickly(device, tmp_path):
     """6 workgroups on a driver with 2 worker threads: 4 can never run while the first 2 spin. Without the
     bound Mesa 25 would deadlock (Mesa 22.3 would end the loop and return garbage)."""

@@ -52,13 +52,46 @@ uint moe_seen_word = 0xFFFFFFFFu, moe_seen_target = 0u;  // the last wait satisf
 uint moe_wait_spent = 0u;                      // spin iterations invocation 0 used (against pc.loop_budget)
 bool moe_launch_failed = false;                // uniform: a wait failed, the launch's results are discarded
 
+// A specialization constant, not a test of pc.loop_budget: the untaken branch alone made the H200's persistent
+// launches 1.3x slower at m = 4..16.
+layout(constant_id = SPEC_MOE_PACED_SPIN) const bool MOE_PACED_SPIN = false;
+shared uint moe_sh_poll;  // moe_spin_paced's poll result: 1 seen, 2 abort flag set, 0 neither
+
+// Whole workgroup, uniform result: spin until sync_words[word] >= target, for a driver whose loop cap counts
+// iterations (the bound below is pc.spin_limit iterations, never past pc.loop_budget in total). There a spin's
+// iterations, not its time, are what is limited, and one invocation's polls ran out before slow co-resident
+// workgroups (one CPU thread each) signalled: routed persistent launches aborted in 10-15 of 40 calls of one golden
+// layer on an idle 2-core machine. Here every iteration passes two workgroup barriers, and lavapipe resumes each
+// group of invocations in turn at a barrier, so one iteration lasts much longer for the same count.
+bool moe_spin_paced(uint word, uint target) {
+    uint limit = min(pc.spin_limit, pc.loop_budget > moe_wait_spent ? pc.loop_budget - moe_wait_spent : 0u);
+    uint n = 0u, seen = 0u;
+    while (true) {
+        if (gl_LocalInvocationIndex == 0u)
+            moe_sh_poll = sync_ge(sync_poll(word), target) ? 1u : sync_aborted() ? 2u : 0u;
+        barrier();
+        seen = moe_sh_poll;
+        barrier();  // every invocation has read it before invocation 0 writes it again
+        if (seen != 0u || n >= limit) break;
+        n += 1u;
+    }
+    moe_wait_spent += n + 1u;
+    // The acquire that pairs with the signaller's release (the polls were relaxed).
+    return seen == 1u && sync_ge(sync_load(word), target);
+}
+
 // Whole workgroup: wait until sync_words[word] >= target. A wait already satisfied costs nothing (every
 // gate/up item waits for the same stage-1 count); otherwise invocation 0 spins (ending with an acquire) and one
 // control barrier with acquire semantics hands what the signallers released to the whole workgroup.
+// On a driver with a loop cap (lavapipe 22.3: MOE_PACED_SPIN) the whole workgroup spins instead (moe_spin_paced).
 bool moe_wait(uint word, uint target) {
     if (wg_uniform(uint(word == moe_seen_word && target <= moe_seen_target)) != 0u) return true;
-    if (gl_LocalInvocationIndex == 0u)
+    if (MOE_PACED_SPIN) {
+        bool hit = moe_spin_paced(word, target);
+        if (gl_LocalInvocationIndex == 0u) sync_sh_ok = hit;
+    } else if (gl_LocalInvocationIndex == 0u) {
         sync_sh_ok = spin_until_ge(word, target, pc.spin_limit, pc.loop_budget, moe_wait_spent);
+    }
     controlBarrier(gl_ScopeWorkgroup, gl_ScopeQueueFamily, gl_StorageSemanticsBuffer | gl_StorageSemanticsShared,
                    gl_SemanticsAcquireRelease | gl_SemanticsMakeVisible);
     bool ok = wg_uniform(uint(sync_sh_ok)) != 0u;

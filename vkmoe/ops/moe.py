@@ -76,6 +76,13 @@ def split_kernels(device, plan, spec, H, I, gated):
             if grid is not None]
 
 
+def paced_spin_spec(device):
+    """{SPEC_MOE_PACED_SPIN: True} on a driver with a loop cap (its spins are bounded in iterations, so the
+    persistent kernel's waits spin with the whole workgroup, which makes an iteration last longer: moe_stages.glsl
+    moe_spin_paced), else {}."""
+    return {layout.SPEC_MOE_PACED_SPIN: True} if device.quirks.get("loop_iteration_cap") else {}
+
+
 def persistent_kernel(device, spec):
     """The persistent kernel's pipeline (the whole forward in one dispatch) for MoE specialization `spec`."""
     return kernels.pipeline(device, "moe_persistent", MoePush, spec, decode=True, binding_count=MOE_BINDINGS)
@@ -500,7 +507,7 @@ class Exl3MoeMlp:
         return sets
 
     def _persistent_pipeline(self, plan):
-        return persistent_kernel(self.device, self._spec(plan))
+        return persistent_kernel(self.device, {**self._spec(plan), **paced_spin_spec(self.device)})
 
     def co_resident(self, plan):
         """How many workgroups of the persistent pipeline for this batch plan the device keeps resident at once,
