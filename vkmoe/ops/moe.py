@@ -80,7 +80,8 @@ def paced_spin_spec(device):
     """{SPEC_MOE_PACED_SPIN: True} on a driver with a loop cap (its spins are bounded in iterations, so the
     persistent kernel's waits spin with the whole workgroup, which makes an iteration last longer: moe_stages.glsl
     moe_spin_paced), else {}."""
-    return {layout.SPEC_MOE_PACED_SPIN: True} if device.quirks.get("loop_iteration_cap") else {}
+    capped = device.quirks.get("loop_iteration_cap")
+    return {layout.SPEC_MOE_PACED_SPIN: True} if capped else {}
 
 
 def persistent_kernel(device, spec):
