@@ -32,10 +32,26 @@ def test_knob_selects_the_transform(device, monkeypatch):
     monkeypatch.setenv("VKMOE_HADAMARD", "shared")
     assert kernels.hadamard_subgroup(device) == 0
     assert _had_spec(kernels.pipeline(device, "exl3_had_in", kernels.HadInPush)) == 0
-    for choice in ("auto", "subgroup"):
+    # auto: the subgroup transform, except on a CPU device (lavapipe: kernels.hadamard_subgroup says why)
+    auto = 0 if device.device_type == "cpu" else device.subgroup_size
+    for choice, want in (("auto", auto), ("subgroup", device.subgroup_size)):
         monkeypatch.setenv("VKMOE_HADAMARD", choice)
-        assert kernels.hadamard_subgroup(device) == device.subgroup_size
-        assert _had_spec(kernels.pipeline(device, "exl3_had_in", kernels.HadInPush)) == device.subgroup_size
+        assert kernels.hadamard_subgroup(device) == want
+        assert _had_spec(kernels.pipeline(device, "exl3_had_in", kernels.HadInPush)) == want
+
+
+def test_auto_keeps_the_shared_transform_on_a_cpu_device(monkeypatch):
+    class Cpu:
+        name, device_type, subgroup_size, min_subgroup_size, max_subgroup_size = "cpu", "cpu", 8, 8, 8
+        features = {"computeFullSubgroups": True}
+
+    class Gpu(Cpu):
+        name, device_type = "gpu", "discrete-gpu"
+
+    monkeypatch.setenv("VKMOE_HADAMARD", "auto")
+    assert kernels.hadamard_subgroup(Cpu) == 0 and kernels.hadamard_subgroup(Gpu) == 8
+    monkeypatch.setenv("VKMOE_HADAMARD", "subgroup")
+    assert kernels.hadamard_subgroup(Cpu) == 8
 
 
 def test_subgroup_on_an_unfit_device_raises(device, monkeypatch):

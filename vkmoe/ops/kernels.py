@@ -74,10 +74,15 @@ def hadamard_subgroup_unfit(device):
 
 def hadamard_subgroup(device):
     """The subgroup size the 128-point Hadamard transforms run on (specialization constant SPEC_HAD_SUBGROUP),
-    0 for the shared-memory transform: VKMOE_HADAMARD=shared, or auto where the subgroup one cannot run. Both give
-    the same bits."""
+    0 for the shared-memory transform: VKMOE_HADAMARD=shared, or auto where the subgroup one cannot run or the
+    device is a CPU. Both give the same bits.
+
+    Why not on a CPU (lavapipe): it runs subgroup shuffles lane by lane, and compiling them is what its cold
+    compiles spend most on: Mesa 25's first call of a golden layer took 40 s of CPU (split) and 70 s (persistent)
+    with the subgroup transform, 12 s and 41 s with the shared one. The subgroup transform exists for GPUs (no
+    barrier per butterfly stage); on lavapipe VKMOE_HADAMARD=subgroup still runs it (tests/test_hadamard.py)."""
     choice = knobs.get("VKMOE_HADAMARD")
-    if choice == "shared":
+    if choice == "shared" or (choice == "auto" and getattr(device, "device_type", None) == "cpu"):
         return 0
     why = hadamard_subgroup_unfit(device)
     if why is not None and choice == "subgroup":
