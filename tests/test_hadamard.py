@@ -1,7 +1,8 @@
 """The two 128-point Hadamard transforms of hadamard128.glsl (VKMOE_HADAMARD): the subgroup one (a subgroup owns a
 row, no barrier) and the shared-memory one must give the same bits in every op that runs them: the MoE in split
-and persistent mode, routed and direct, on every golden file and on random layers at batch sizes whose stage 1
-and band tails take several Hadamard passes, and the linear (its input Hadamard and its tail)."""
+and persistent mode, routed and direct, on four golden files (HADAMARD_GOLDENS) and on random layers at batch
+sizes whose stage 1 and band tails take several Hadamard passes, and the linear (its input Hadamard and its
+tail)."""
 import numpy as np
 import pytest
 
@@ -99,9 +100,19 @@ def _assert_same(outs):
 PERSISTENT = ("b_mixed_bits_g3u4d5",)
 
 
+# The golden layers both transforms are compared on: a gated and a gateless layer, mixed bit widths under two
+# codebooks. The transform acts on activations, never on weights, so the other golden files add no new path; each
+# case is two cold compiles of the layer's kernels, and lavapipe's compile of the subgroup shuffles costs ~30 s of
+# CPU per case on Mesa 25 (on every fresh CI machine). On a GPU, tools/check_goldens runs every golden file with
+# the subgroup transform (auto there) and with VKMOE_HADAMARD=shared against the float64 reference.
+HADAMARD_GOLDENS = ("a_tiny_silu_k4", "b_mixed_bits_g3u4d5", "d_relu2_gateless_k4", "k_mcg_mixed_g5u3d6")
+
+
 def _golden_cases():
     for path in golden_files():
         name = path.rsplit("/", 1)[-1][:-4]
+        if name not in HADAMARD_GOLDENS:
+            continue
         for direct in ("off", "on"):
             for mode in ("split", "persistent") if name in PERSISTENT else ("split",):
                 yield pytest.param(path, direct, mode, id=f"{name}-{direct}-{mode}")
