@@ -1,6 +1,6 @@
 """The two 128-point Hadamard transforms of hadamard128.glsl (VKMOE_HADAMARD): the subgroup one (a subgroup owns a
 row, no barrier) and the shared-memory one must give the same bits in every op that runs them: the MoE in split
-and persistent mode, routed and direct, on four golden files (HADAMARD_GOLDENS) and on random layers at batch
+and persistent mode, routed and direct, on two golden files (HADAMARD_GOLDENS) and on random layers at batch
 sizes whose stage 1 and band tails take several Hadamard passes, and the linear (its input Hadamard and its
 tail)."""
 import numpy as np
@@ -100,12 +100,12 @@ def _assert_same(outs):
 PERSISTENT = ("b_mixed_bits_g3u4d5",)
 
 
-# The golden layers both transforms are compared on: a gated and a gateless layer, mixed bit widths under two
-# codebooks. The transform acts on activations, never on weights, so the other golden files add no new path; each
-# case is two cold compiles of the layer's kernels, and lavapipe's compile of the subgroup shuffles costs ~30 s of
-# CPU per case on Mesa 25 (on every fresh CI machine). On a GPU, tools/check_goldens runs every golden file with
+# The golden layers both transforms are compared on: a gated layer of mixed bit widths and a gateless one. The
+# transform acts on activations, never on weights, so the other golden files add no new path; each case is two
+# cold compiles of the layer's kernels, and lavapipe's compile of the subgroup shuffles made a case take ~75 s on
+# Mesa 25 (on every fresh CI machine, two cases for each layer here). On a GPU, tools/check_goldens runs every golden file with
 # the subgroup transform (auto there) and with VKMOE_HADAMARD=shared against the float64 reference.
-HADAMARD_GOLDENS = ("a_tiny_silu_k4", "b_mixed_bits_g3u4d5", "d_relu2_gateless_k4", "k_mcg_mixed_g5u3d6")
+HADAMARD_GOLDENS = ("b_mixed_bits_g3u4d5", "d_relu2_gateless_k4")
 
 
 def _golden_cases():
