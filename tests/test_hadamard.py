@@ -103,8 +103,9 @@ PERSISTENT = ("b_mixed_bits_g3u4d5",)
 # The golden layers both transforms are compared on: a gated layer of mixed bit widths and a gateless one. The
 # transform acts on activations, never on weights, so the other golden files add no new path; each case is two
 # cold compiles of the layer's kernels, and lavapipe's compile of the subgroup shuffles made a case take ~75 s on
-# Mesa 25 (on every fresh CI machine, two cases for each layer here). On a GPU, tools/check_goldens runs every golden file with
-# the subgroup transform (auto there) and with VKMOE_HADAMARD=shared against the float64 reference.
+# Mesa 25 (on every fresh CI machine, two cases for each layer here). On a GPU, tools/check_goldens runs every
+# golden file with the subgroup transform (auto there) and with VKMOE_HADAMARD=shared against the float64
+# reference.
 HADAMARD_GOLDENS = ("b_mixed_bits_g3u4d5", "d_relu2_gateless_k4")
 
 
