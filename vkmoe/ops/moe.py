@@ -85,8 +85,10 @@ def paced_spin_spec(device):
 
 
 def persistent_kernel(device, spec):
-    """The persistent kernel's pipeline (the whole forward in one dispatch) for MoE specialization `spec`."""
-    return kernels.pipeline(device, "moe_persistent", MoePush, spec, decode=True, binding_count=MOE_BINDINGS)
+    """The persistent kernel's pipeline (the whole forward in one dispatch) for MoE specialization `spec`, with
+    the device's paced-spin specialization (paced_spin_spec) added."""
+    return kernels.pipeline(device, "moe_persistent", MoePush, {**spec, **paced_spin_spec(device)}, decode=True,
+                            binding_count=MOE_BINDINGS)
 
 
 def _check_experts(name, tensors, k, n, allow_none=False):
@@ -508,7 +510,7 @@ class Exl3MoeMlp:
         return sets
 
     def _persistent_pipeline(self, plan):
-        return persistent_kernel(self.device, {**self._spec(plan), **paced_spin_spec(self.device)})
+        return persistent_kernel(self.device, self._spec(plan))
 
     def co_resident(self, plan):
         """How many workgroups of the persistent pipeline for this batch plan the device keeps resident at once,
