@@ -2,7 +2,7 @@
 // vkmoe-compiler: glslang
 // vkmoe-variants: idot=-DEXL3_IDOT emulate=-DCOOP_EMULATE
 // Split path, dispatch 2 of 3, on cooperative matrices (moe_stages.glsl with MOE_COOP): the gate/up GEMM; the last k-split of a band runs the activation (stage 3).
-// Chunks of up to COOP_ROWS_NARROW rows of one expert (the routing ran with GEMM_ROWS = that). Grid as in
+// Chunks of up to COOP_MOE_ROWS rows of one expert (the routing ran with GEMM_ROWS = that). Grid as in
 // moe_gate_up.comp. The emulate build replaces only the matrix-unit multiply (tests on devices without it).
 #extension GL_GOOGLE_include_directive : require  // implied by glslc, not by glslangValidator
 #extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
@@ -12,7 +12,7 @@
 layout(local_size_x = 256) in;
 #define MOE_COOP
 #include "moe_bindings.glsl"
-#define COOP_BM COOP_ROWS_NARROW
+#define COOP_BM COOP_MOE_ROWS
 #include "moe_stages.glsl"
 void main() {
     if (gl_WorkGroupID.y < routed_chunks()) moe_gate_up(gl_WorkGroupID.y * gu_items_per_chunk() + gl_WorkGroupID.x);

@@ -1,8 +1,8 @@
 """The MoE GEMM stages on cooperative matrices (moe_gate_up_coop.comp, moe_down_coop.comp), as far as lavapipe
 (which lacks VK_KHR_cooperative_matrix) can test them: the plan's choice and its fallback, the knob's error, the
-split-only rule (persistent refused), and the stages' data flow (64-row chunks of one expert with A rows gathered
-by (token, slot), whole-m-tile partials, k-splits, the shared band tails) through their `_emulate` builds, which
-replace only the matrix-unit multiply. The cooperative-matrix builds themselves are checked on a GPU with
+split-only rule (persistent refused), and the stages' data flow (chunks of COOP_MOE_ROWS rows of one expert with A
+rows gathered by (token, slot), whole-m-tile partials, k-splits, the shared band tails) through their `_emulate`
+builds, which replace only the matrix-unit multiply. The cooperative-matrix builds themselves are checked on a GPU with
 `tools/check_coopmat --moe`."""
 import numpy as np
 import pytest
@@ -28,7 +28,7 @@ def emulated(monkeypatch):
 
 def _routing(m, E, top_k, seed, skip=0):
     rng = np.random.default_rng([seed, m, E])
-    # skewed: expert 0 gets most rows (several 64-row chunks plus a partial one), others few
+    # skewed: expert 0 gets most rows (several chunks plus a partial one), others few
     p = np.array([8.0] + [1.0] * (E - 1))
     ids = np.stack([rng.choice(E, top_k, replace=False, p=p / p.sum()) for _ in range(m)]).astype(np.int32)
     w = rng.random((m, top_k)).astype(np.float32)
@@ -56,7 +56,7 @@ def test_emulated_stages(monkeypatch, device, emulated, H, I, E, top_k, m, bits,
     ids, w = _routing(m, E, top_k, seed=m, skip=skip)
     x = np.random.default_rng(m).standard_normal((m, H)).astype(np.float16)
     p = plan.moe_plan(device, m, top_k, E, H, I, activation != "relu2")
-    assert p.coop and p.rows == layout.COOP_ROWS_NARROW
+    assert p.coop and p.rows == layout.COOP_MOE_ROWS
     assert p.kt_gu % layout.COOP_KSTEP == 0 and p.kt_d % layout.COOP_KSTEP == 0
     if splits:
         assert p.splits_gu == 2 and p.splits_d == 2
@@ -79,7 +79,7 @@ def test_plan_choice(monkeypatch, device):
     monkeypatch.setenv("VKMOE_COOPMAT_MOE_MIN_ROWS", "4")  # (token, slot) rows per expert: m * 8 / 128 >= 4
     assert not plan.moe_plan(device, 63, 8, 128, 2048, 768, True).coop
     p = plan.moe_plan(device, 64, 8, 128, 2048, 768, True)
-    assert p.coop and p.rows == layout.COOP_ROWS_NARROW and p.max_chunks == 128 + 8
+    assert p.coop and p.rows == layout.COOP_MOE_ROWS and p.max_chunks == 128 + 64 * 8 // layout.COOP_MOE_ROWS
     assert p.splits_gu * p.kt_gu >= 2048 // 16 and p.kt_gu % layout.COOP_KSTEP == 0
     monkeypatch.setenv("VKMOE_COOPMAT", "off")
     assert not plan.moe_plan(device, 1024, 8, 128, 2048, 768, True).coop
@@ -131,18 +131,19 @@ def test_persistent_refused_when_coop_applies(monkeypatch, device, emulated):
 
 # ------------------------------------------------------------------------------------------ partial rows
 def test_partial_tiles_do_not_overlap():
-    """The chunk tables the routing writes (chunks of <= 64 rows per expert, sorted rows contiguous) with the
+    """The chunk tables the routing writes (chunks of <= COOP_MOE_ROWS rows per expert, sorted rows contiguous) with the
     partial row of chunk c at p0 + COOP_MOE_ROW_SLACK * c (partial_row0 in moe_stages.glsl): the whole m-tiles the
     matrix unit stores never reach the next chunk's rows nor past layout.moe_partial_rows."""
     rng = np.random.default_rng(0)
     for _ in range(200):
         E, top_k, m = int(rng.integers(1, 20)), int(rng.integers(1, 4)), int(rng.integers(1, 300))
         counts = np.bincount(rng.integers(0, E, m * top_k), minlength=E)
-        p = plan.MoePlan(m, top_k, layout.COOP_ROWS_NARROW, min(E, m * top_k) + -(-m * top_k // 64), 1, 4, 1, 4, True)
+        rows = layout.COOP_MOE_ROWS
+        p = plan.MoePlan(m, top_k, rows, min(E, m * top_k) + -(-m * top_k // rows), 1, 4, 1, 4, True)
         chunks, p0 = [], 0
         for n in counts:
-            for first in range(0, n, 64):
-                chunks.append((p0 + first, min(64, n - first)))
+            for first in range(0, n, rows):
+                chunks.append((p0 + first, min(rows, n - first)))
             p0 += n
         assert len(chunks) <= p.max_chunks
         end = 0

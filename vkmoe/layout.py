@@ -54,6 +54,14 @@ COOP_PAD = 8
 # The MoE's cooperative-matrix stages (moe_gate_up_coop.comp, moe_down_coop.comp) store whole 16-row m-tiles of a
 # chunk's partial: chunk c's rows start this many rows per chunk past its sorted position (moe_partial_rows).
 COOP_MOE_ROW_SLACK = TILE - 1
+# Rows of the MoE cooperative-matrix stages' tile, so the most rows of one of their chunks. 16 (one m-tile), not
+# the linear's 64: at prefill sizes most experts hold a few to a few dozen rows, and the 16-row tile needs 74
+# registers instead of 118 (three workgroups per SM on the H200 instead of two) and multiplies no empty m-tiles;
+# it ran DeepSeek-V3 m = 256 in 7.5 ms instead of 15.8 and the Qwen3 shape's m = 1024 in 2.35 ms instead of 2.60
+# (BENCHMARKS.md, sixth session), even though an expert of 64 rows then decodes its weights four times.
+COOP_MOE_ROWS = 16
+# The most rows of an FMA-path expert chunk (GEMM_ROWS: ops.plan.rows_for, VKMOE_MOE_ROWS).
+MOE_ROWS_MAX = 16
 
 # ------------------------------------------------------------------------------------ sync buffer (words)
 # Counters reset themselves; the host zero-fills once at creation and again only after an aborted launch.
@@ -204,9 +212,9 @@ def coop_shared_bytes(rows):
 
 
 def coop_moe_shared_bytes():
-    """Shared memory of moe_gate_up_coop.comp / moe_down_coop.comp: the linear's narrow tile (coop_shared_bytes)
-    plus the tile's A row indices and stage 5's token-done flags (one word per row of a Hadamard pass)."""
-    return coop_shared_bytes(COOP_ROWS_NARROW) + 4 * COOP_ROWS_NARROW + 4 * HAD_MAX_PASS_ROWS
+    """Shared memory of moe_gate_up_coop.comp / moe_down_coop.comp: the linear's tile of COOP_MOE_ROWS rows
+    (coop_shared_bytes) plus the tile's A row indices and stage 5's token-done flags (one word per chunk row)."""
+    return coop_shared_bytes(COOP_MOE_ROWS) + 4 * COOP_MOE_ROWS + 4 * max(COOP_MOE_ROWS, MOE_ROWS_MAX)
 
 
 def dequant_grid(k, n):
@@ -239,6 +247,8 @@ def _defines():
     yield "COOP_KSTEP", f"{COOP_KSTEP}u"
     yield "COOP_PAD", f"{COOP_PAD}u"
     yield "COOP_MOE_ROW_SLACK", f"{COOP_MOE_ROW_SLACK}u"
+    yield "COOP_MOE_ROWS", f"{COOP_MOE_ROWS}u"
+    yield "MOE_ROWS_MAX", f"{MOE_ROWS_MAX}u"
     for name in ("ABORT", "RETIRED", "ROUTED", "STAGE1_DONE", "COUNTERS"):
         yield f"SYNC_{name}", f"{globals()['SYNC_' + name]}u"
     yield "MOE_MODE_RUN", f"{MOE_MODE_RUN}u"

@@ -37,6 +37,7 @@
 #define COOP_LINE4 ((COOP_KDEPTH + COOP_PAD) / 8u)  // uvec4 per shared line (a row of A, a column of Ŵ)
 #define COOP_MT (COOP_BM / 16u)                   // m-tiles per workgroup tile
 #define COOP_A_VEC4 (COOP_BM * COOP_KDEPTH / 8u)  // 16-byte A loads per step
+#define COOP_A_PER ((COOP_A_VEC4 + WG_SIZE - 1u) / WG_SIZE)  // per invocation (a 16-row tile: half of them load one)
 
 // The subgroup grid: two subgroups along m once a tile has 8 m-tiles (each then loads 4 A and 2 Ŵ fragments for
 // 8 products instead of 8 and 1), else all 8 along n.
@@ -89,18 +90,19 @@ void coop_decode_lane(int kb, uint words[8]) {
     }
 }
 
-// This invocation's share of the step's A rows (zeros past row nr): COOP_A_VEC4 / WG_SIZE 16-byte loads.
-void coop_load_a(int a_src, uint row0, uint nr, uint k, uint kt, out uvec4 a[COOP_A_VEC4 / WG_SIZE]) {
-    [[unroll]] for (uint p = 0u; p < COOP_A_VEC4 / WG_SIZE; ++p) {
+// This invocation's share of the step's A rows (zeros past row nr): COOP_A_PER 16-byte loads.
+void coop_load_a(int a_src, uint row0, uint nr, uint k, uint kt, out uvec4 a[COOP_A_PER]) {
+    [[unroll]] for (uint p = 0u; p < COOP_A_PER; ++p) {
         uint idx = p * WG_SIZE + gl_LocalInvocationID.x, r = idx / (COOP_KDEPTH / 8u), c8 = idx % (COOP_KDEPTH / 8u);
-        a[p] = r < nr ? coop_a_word4(a_src, (COOP_A_ROW(row0, r) * k + kt * 16u) / 8u + c8) : uvec4(0u);
+        a[p] = r < nr && idx < COOP_A_VEC4 ? coop_a_word4(a_src, (COOP_A_ROW(row0, r) * k + kt * 16u) / 8u + c8)
+                                          : uvec4(0u);
     }
 }
 
-void coop_store_a(uvec4 a[COOP_A_VEC4 / WG_SIZE]) {
-    [[unroll]] for (uint p = 0u; p < COOP_A_VEC4 / WG_SIZE; ++p) {
+void coop_store_a(uvec4 a[COOP_A_PER]) {
+    [[unroll]] for (uint p = 0u; p < COOP_A_PER; ++p) {
         uint idx = p * WG_SIZE + gl_LocalInvocationID.x, r = idx / (COOP_KDEPTH / 8u), c8 = idx % (COOP_KDEPTH / 8u);
-        coop_a4[r * COOP_LINE4 + c8] = a[p];
+        if (idx < COOP_A_VEC4) coop_a4[r * COOP_LINE4 + c8] = a[p];
     }
 }
 
@@ -151,7 +153,7 @@ void coop_gemm(int a_src, int b_src, int kb, uint b_base, uint row0, uint nr, ui
         acc[i] = coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>(0.0);
 #endif
     uint words[8];
-    uvec4 a[COOP_A_VEC4 / WG_SIZE];
+    uvec4 a[COOP_A_PER];
     if (kt0 < kt1) {
         coop_load_lane(b_src, kb, b_base, kt0, tiles_n, band, words);
         coop_load_a(a_src, row0, nr, k, kt0, a);

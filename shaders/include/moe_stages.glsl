@@ -345,7 +345,13 @@ float activate(float g, float u) {
 #define LAST_ARRIVAL_BUF sync_words
 #include "last_arrival.glsl"
 #include "split_sum.glsl"
-shared uint s_token_done[HAD_MAX_PASS_ROWS];  // stage 5, per row of a pass; a multiple of 16 bytes (see coop_row)
+// The most rows of one chunk: the cooperative-matrix tile's, or GEMM_ROWS's largest value.
+#ifdef MOE_COOP
+#define MOE_CHUNK_ROWS_MAX max(COOP_BM, MOE_ROWS_MAX)
+#else
+#define MOE_CHUNK_ROWS_MAX MOE_ROWS_MAX
+#endif
+shared uint s_token_done[MOE_CHUNK_ROWS_MAX];  // stage 5, per row of the chunk; a multiple of 16 bytes (see coop_row)
 
 // Rows of one k-split's GEMM partial. The FMA core stores a chunk's rows at their sorted positions p0 ..; the
 // cooperative-matrix core stores whole 16-row m-tiles, so chunk c starts at row p0 + COOP_MOE_ROW_SLACK * c
@@ -573,7 +579,8 @@ void moe_stage5_token(uint t, uint band) {
 }
 
 // Rows of one chunk, one 128-band of H, HAD_PASS_ROWS per pass: the down output Hadamard, routing weight and svh
-// into each row's (token, slot) row of rows_out; the last slot of a token to arrive sums the token's rows.
+// into each row's (token, slot) row of rows_out; then each row arrives at its token's band counter, and the last
+// slot of a token to arrive sums the token's rows.
 void moe_stage5(uint e, uint p0, uint q0, uint nr, uint band) {
     uint tid = gl_LocalInvocationID.x, h0 = band * 128u + had_col0(), se = e * pc.H + h0;
     for (uint r0 = 0u; r0 < nr; r0 += HAD_PASS_ROWS) {
@@ -585,34 +592,38 @@ void moe_stage5(uint e, uint p0, uint q0, uint nr, uint band) {
         float w = rn16(expert_weights[fidx]);
         [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j)
             if (r < nr) rows_out[fidx * pc.H + h0 + j] = (had_v[j] * (HAD_SCALE * w)) * f16_at(down_svh[(se + j) >> 1], se + j);
-        WG_BARRIER_DEVICE();
-        if (tid < HAD_PASS_ROWS) {  // one invocation per row of the pass counts the row's arrival
-            bool done = false;
-            if (r0 + tid < nr) {
-                uint t = moe_row_flat(p0 + r0 + tid) / pc.top_k;
-                uint counter = counters_tok() + t * (pc.H / 128u) + band;
-                uint arrived = atomicAdd(sync_words[counter], 1u, gl_ScopeQueueFamily, gl_StorageSemanticsBuffer,
-                                         gl_SemanticsAcquireRelease | gl_SemanticsMakeAvailable | gl_SemanticsMakeVisible);
-                done = arrived + 1u == moe_token_slots(t);
-                if (done) atomicStore(sync_words[counter], 0u, gl_ScopeQueueFamily, gl_StorageSemanticsBuffer, gl_SemanticsRelaxed);
-            }
-            s_token_done[tid] = uint(done);
-        }
-        WG_BARRIER_DEVICE();
-        // The token sums, one column per invocation (the same trip count in every invocation).
-        for (uint i = tid; i < HAD_PASS_ROWS * 128u; i += WG_SIZE) {
-            uint rr = i >> 7, col = band * 128u + (i & 127u);
-            if (s_token_done[rr] != 0u) {
-                uint t = moe_row_flat(p0 + r0 + rr) / pc.top_k;
-                float v = 0.0;  // slot order: the same bits whichever expert finished last
-                [[unroll]] for (int s = 0; s < MAX_TOP_K; ++s)
-                    if (uint(s) < pc.top_k && valid_expert(expert_ids[t * pc.top_k + uint(s)]))
-                        v += rows_out[(t * pc.top_k + uint(s)) * pc.H + col];
-                out_h[t * pc.H + col] = v;
-            }
-        }
-        barrier();
     }
+    // Every row of the chunk is written before any is counted: one round of arrivals and token sums per tail, not
+    // one per Hadamard pass (each round is two device-scope barriers and a round trip through L2; per pass they
+    // were most of the down phase at prefill sizes: BENCHMARKS.md, sixth session).
+    WG_BARRIER_DEVICE();
+    if (tid < MOE_CHUNK_ROWS_MAX) {  // one invocation per row counts the row's arrival
+        bool done = false;
+        if (tid < nr) {
+            uint t = moe_row_flat(p0 + tid) / pc.top_k;
+            uint counter = counters_tok() + t * (pc.H / 128u) + band;
+            uint arrived = atomicAdd(sync_words[counter], 1u, gl_ScopeQueueFamily, gl_StorageSemanticsBuffer,
+                                     gl_SemanticsAcquireRelease | gl_SemanticsMakeAvailable | gl_SemanticsMakeVisible);
+            done = arrived + 1u == moe_token_slots(t);
+            if (done) atomicStore(sync_words[counter], 0u, gl_ScopeQueueFamily, gl_StorageSemanticsBuffer, gl_SemanticsRelaxed);
+        }
+        s_token_done[tid] = uint(done);
+    }
+    WG_BARRIER_DEVICE();
+    // The token sums of the rows whose token this tail completed, one column per invocation; the bound is a whole
+    // number of workgroup strides, so every invocation runs the same trip count (Mesa 22.3, see above).
+    for (uint i = tid; i < ((nr * 128u + WG_SIZE - 1u) / WG_SIZE) * WG_SIZE; i += WG_SIZE) {
+        uint rr = i >> 7, col = band * 128u + (i & 127u);
+        if (rr < nr && s_token_done[rr] != 0u) {
+            uint t = moe_row_flat(p0 + rr) / pc.top_k;
+            float v = 0.0;  // slot order: the same bits whichever expert finished last
+            [[unroll]] for (int s = 0; s < MAX_TOP_K; ++s)
+                if (uint(s) < pc.top_k && valid_expert(expert_ids[t * pc.top_k + uint(s)]))
+                    v += rows_out[(t * pc.top_k + uint(s)) * pc.H + col];
+            out_h[t * pc.H + col] = v;
+        }
+    }
+    barrier();  // s_token_done is read before the next tail writes it
 }
 
 #endif

@@ -6,8 +6,8 @@ import threading
 import weakref
 
 from .. import knobs
-from ..layout import (BAND, COOP_KSTEP, COOP_ROWS_NARROW, COOP_ROWS_WIDE, COOP_SHAPE, COOP_SUBGROUP, DIRECT_MAX_KT,
-                      TILE, ceil_div, coop_moe_shared_bytes, coop_shared_bytes)
+from ..layout import (BAND, COOP_KSTEP, COOP_MOE_ROWS, COOP_ROWS_NARROW, COOP_ROWS_WIDE, COOP_SHAPE, COOP_SUBGROUP,
+                      DIRECT_MAX_KT, MOE_ROWS_MAX, TILE, ceil_div, coop_moe_shared_bytes, coop_shared_bytes)
 from ..vk import VkmoeError
 from ..vk.pipeline import SPV_DIR
 
@@ -46,7 +46,7 @@ def default_target_workgroups(device):
 
 
 def rows_for(m):
-    return 1 if m <= 1 else 4 if m <= 4 else 8 if m <= 8 else 16
+    return 1 if m <= 1 else 4 if m <= 4 else 8 if m <= 8 else MOE_ROWS_MAX
 
 
 _COOP_SHAPE = dict(zip("MNK", COOP_SHAPE), A="float16", B="float16", C="float32", result="float32",
@@ -109,9 +109,9 @@ def use_coop(device, m, moe=None):
                              f"{' of the MoE stages' if moe else ''}: {reason}")
         return True
     if moe:
-        # 64-row chunks of one expert: worth it only when experts get enough rows to fill them (H200: Qwen3 shape
-        # m = 256 at 16 rows per expert 1841 vs FMA 2212 us, m = 64 at 4 rows 1151 vs 503; DeepSeek-V3 m = 1024 at
-        # 32 rows 27427 vs 62426, m = 256 at 8 rows 18211 vs 11096; BENCHMARKS.md)
+        # chunks of COOP_MOE_ROWS = 16 rows of one expert: worth it once experts get a few rows each (H200,
+        # tools/bench_moe, us, coop vs FMA: Qwen3 shape m = 64 at 4 rows per expert 499 vs 471, m = 128 at 8 rows
+        # 531 vs 723; DeepSeek-V3 m = 64 at 2 rows 6067 vs 4132, m = 128 at 4 rows 6908 vs 6820; BENCHMARKS.md)
         top_k, E = moe
         big_enough = m * top_k >= knobs.get("VKMOE_COOPMAT_MOE_MIN_ROWS") * E
     else:
@@ -174,7 +174,7 @@ class MoePlan:
     kt_gu: int
     splits_d: int
     kt_d: int
-    coop: bool = False  # the GEMMs on cooperative matrices (moe_*_coop.comp): rows = COOP_ROWS_NARROW, split only
+    coop: bool = False  # the GEMMs on cooperative matrices (moe_*_coop.comp): rows = COOP_MOE_ROWS, split only
     direct: bool = False  # direct mode (moe_stages.glsl): rows = 1, a chunk per (token, slot) row, no routing pass
 
     @property
@@ -225,7 +225,7 @@ def _moe_plan(device, m, top_k, E, H, I, gated, target_workgroups, coop, direct)
     if direct:  # a chunk per (token, slot) row
         rows, max_chunks, expected_chunks = 1, R, R
     else:  # the knob is for tuning the FMA path; the cooperative-matrix stages take chunks of their tile's rows
-        rows = COOP_ROWS_NARROW if coop else knobs.get("VKMOE_MOE_ROWS") or rows_for(ceil_div(R, max(1, active)))
+        rows = COOP_MOE_ROWS if coop else knobs.get("VKMOE_MOE_ROWS") or rows_for(ceil_div(R, max(1, active)))
         max_chunks = active + ceil_div(R, rows)
         expected_chunks = max(active, ceil_div(R, rows))
     if target_workgroups is None:
