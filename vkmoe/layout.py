@@ -242,23 +242,11 @@ def _defines():
     yield "SPEC_HAD_SUBGROUP", str(SPEC_HAD_SUBGROUP)
     for name in ("SHARED_LANES", "SHARED_ROWS", "MAX_PASS_ROWS", "MAX_VALS", "IN_UNITS_PER_WG"):
         yield f"HAD_{name}", f"{globals()['HAD_' + name]}u"
-    yield "COOP_ROWS_NARROW", f"{COOP_ROWS_NARROW}u"
-    yield "COOP_ROWS_WIDE", f"{COOP_ROWS_WIDE}u"
-    yield "COOP_KSTEP", f"{COOP_KSTEP}u"
-    yield "COOP_PAD", f"{COOP_PAD}u"
-    yield "COOP_MOE_ROW_SLACK", f"{COOP_MOE_ROW_SLACK}u"
-    yield "COOP_MOE_ROWS", f"{COOP_MOE_ROWS}u"
-    yield "MOE_ROWS_MAX", f"{MOE_ROWS_MAX}u"
-    for name in ("ABORT", "RETIRED", "ROUTED", "STAGE1_DONE", "COUNTERS"):
-        yield f"SYNC_{name}", f"{globals()['SYNC_' + name]}u"
-    yield "MOE_MODE_RUN", f"{MOE_MODE_RUN}u"
-    yield "MOE_MODE_DISCOVER", f"{MOE_MODE_DISCOVER}u"
-    yield "ROUTE_ROWS", f"{ROUTE_ROWS}u"
-    yield "ROUTE_CHUNKS", f"{ROUTE_CHUNKS}u"
-    yield "ROUTE_HEADER", f"{ROUTE_HEADER}u"
-    yield "ROUTE_CHUNK_WORDS", f"{ROUTE_CHUNK_WORDS}u"
-    yield "STAGE1_PAIRS_PER_ITEM", f"{STAGE1_PAIRS_PER_ITEM}u"
-    yield "GEMM_RED_WORDS", f"{GEMM_RED_WORDS}u"
+    for name in ("COOP_ROWS_NARROW", "COOP_ROWS_WIDE", "COOP_KSTEP", "COOP_PAD", "COOP_MOE_ROW_SLACK", "COOP_MOE_ROWS",
+                 "MOE_ROWS_MAX", *(f"SYNC_{n}" for n in ("ABORT", "RETIRED", "ROUTED", "STAGE1_DONE", "COUNTERS")),
+                 "MOE_MODE_RUN", "MOE_MODE_DISCOVER", "ROUTE_ROWS", "ROUTE_CHUNKS", "ROUTE_HEADER", "ROUTE_CHUNK_WORDS",
+                 "STAGE1_PAIRS_PER_ITEM", "GEMM_RED_WORDS"):
+        yield name, f"{globals()[name]}u"  # unsigned constants, under their own names
     for name, value in ROUTER_FAMILIES.items():
         yield f"ROUTER_{name.upper()}", f"{value}u"
     for name, value in ROUTER_WEIGHT_KINDS.items():
