@@ -214,7 +214,7 @@ def coop_shared_bytes(rows):
 def coop_moe_shared_bytes():
     """Shared memory of moe_gate_up_coop.comp / moe_down_coop.comp: the linear's tile of COOP_MOE_ROWS rows
     (coop_shared_bytes) plus the tile's A row indices and stage 5's token-done flags (one word per chunk row)."""
-    return coop_shared_bytes(COOP_MOE_ROWS) + 4 * COOP_MOE_ROWS + 4 * max(COOP_MOE_ROWS, MOE_ROWS_MAX)
+    return coop_shared_bytes(COOP_MOE_ROWS) + 4 * COOP_MOE_ROWS + 4 * COOP_MOE_ROWS
 
 
 def dequant_grid(k, n):

@@ -345,9 +345,10 @@ float activate(float g, float u) {
 #define LAST_ARRIVAL_BUF sync_words
 #include "last_arrival.glsl"
 #include "split_sum.glsl"
-// The most rows of one chunk: the cooperative-matrix tile's, or GEMM_ROWS's largest value.
+// The most rows of one chunk: the cooperative-matrix tile's (the routing cuts chunks of that many), or GEMM_ROWS's
+// largest value.
 #ifdef MOE_COOP
-#define MOE_CHUNK_ROWS_MAX max(COOP_BM, MOE_ROWS_MAX)
+#define MOE_CHUNK_ROWS_MAX COOP_BM
 #else
 #define MOE_CHUNK_ROWS_MAX MOE_ROWS_MAX
 #endif
