@@ -55,30 +55,44 @@ bool moe_launch_failed = false;                // uniform: a wait failed, the la
 // A specialization constant, not a test of pc.loop_budget: the untaken branch alone made the H200's persistent
 // launches 1.3x slower at m = 4..16.
 layout(constant_id = SPEC_MOE_PACED_SPIN) const bool MOE_PACED_SPIN = false;
-shared uint moe_sh_poll;  // moe_spin_paced's poll result: 1 seen, 2 abort flag set, 0 neither
+shared uint moe_sh_poll[2];  // moe_spin_paced's poll results (moe_paced_poll)
+
+// One poll of moe_spin_paced, whole workgroup: invocation 0 reads into moe_sh_poll[slot], every invocation gets
+// its result (1 seen, 2 abort flag set, 0 neither). Polls alternate between two slots, so one barrier a poll
+// suffices: a slot is written again only two barriers after it was written, when every invocation has read it.
+uint moe_paced_poll(uint word, uint target, uint slot) {
+    if (gl_LocalInvocationIndex == 0u)
+        moe_sh_poll[slot] = sync_ge(sync_poll(word), target) ? 1u : sync_aborted() ? 2u : 0u;
+    barrier();
+    return moe_sh_poll[slot];
+}
+
+// Polls per counted iteration of moe_spin_paced, written out (not a loop: the cap counts back-edges).
+#define MOE_PACED_POLL(slot) seen = moe_paced_poll(word, target, slot); if (seen != 0u) break;
+#define MOE_PACED_POLLS_4() MOE_PACED_POLL(0u) MOE_PACED_POLL(1u) MOE_PACED_POLL(0u) MOE_PACED_POLL(1u)
 
 // Whole workgroup, uniform result: spin until sync_words[word] >= target, for a driver whose loop cap counts
 // iterations (the bound below is pc.spin_limit iterations, never past pc.loop_budget in total). There a spin's
 // iterations, not its time, are what is limited, and one invocation's polls ran out before slow co-resident
 // workgroups (one CPU thread each) signalled: routed persistent launches aborted in 10-15 of 40 calls of one golden
-// layer on an idle 2-core machine. Here every iteration passes two workgroup barriers, and lavapipe resumes each
-// group of invocations in turn at a barrier, so one iteration lasts much longer for the same count.
+// layer on an idle 2-core machine. Here every poll passes a workgroup barrier (lavapipe resumes each group of
+// invocations in turn at a barrier), and one counted iteration makes 8 polls, so the bound lasts far longer for
+// the same count: with one poll (two barriers) per iteration the same layer still aborted once in 16 launches
+// under CI's load (the other lavapipe's suite on the same two cores).
 bool moe_spin_paced(uint word, uint target) {
     uint limit = min(pc.spin_limit, pc.loop_budget > moe_wait_spent ? pc.loop_budget - moe_wait_spent : 0u);
     uint n = 0u, seen = 0u;
     while (true) {
-        if (gl_LocalInvocationIndex == 0u)
-            moe_sh_poll = sync_ge(sync_poll(word), target) ? 1u : sync_aborted() ? 2u : 0u;
-        barrier();
-        seen = moe_sh_poll;
-        barrier();  // every invocation has read it before invocation 0 writes it again
-        if (seen != 0u || n >= limit) break;
+        MOE_PACED_POLLS_4() MOE_PACED_POLLS_4()
+        if (n >= limit) break;
         n += 1u;
     }
     moe_wait_spent += n + 1u;
     // The acquire that pairs with the signaller's release (the polls were relaxed).
     return seen == 1u && sync_ge(sync_load(word), target);
 }
+#undef MOE_PACED_POLLS_4
+#undef MOE_PACED_POLL
 
 // Whole workgroup: wait until sync_words[word] >= target. A wait already satisfied costs nothing (every
 // gate/up item waits for the same stage-1 count); otherwise invocation 0 spins (ending with an acquire) and one
