@@ -8,11 +8,8 @@ An op that takes or returns DeviceArrays still runs its own recorded command buf
 buffers: the copies from an input DeviceArray and into the output one are recorded per call into small command
 buffers that go into the SAME vkQueueSubmit as the op's (CallTransfers), so a call stays one submission.
 """
-import time
-
 import numpy as np
 
-from ..sched.occupancy import COMPILE_TIMEOUT_S
 from ..vk import CommandRecorder, DeviceClosedError, VkmoeError
 
 
@@ -165,24 +162,11 @@ class CallTransfers:
 
     def submit(self, rec, copies_in=(), copies_out=()):
         """Submit `rec` with the copies (src Buffer, dst Buffer, nbytes) and wait; the caller holds the device
-        (device.use(): the ops hold it around their mapped io buffers' writes and reads anyway). The first
-        submission of a newly recorded forward may include the driver's lazy compile of its pipelines (lavapipe
-        compiles at the first dispatch: 4.5 s for the tiny split layer on Mesa 25, over 60 s for a larger
-        persistent one), which must not be mistaken for a hung device: it may take up to
-        occupancy.COMPILE_TIMEOUT_S in all; later submissions get VKMOE_TIMEOUT."""
+        (device.use(): the ops hold it around their mapped io buffers' writes and reads anyway). The first run of
+        a newly recorded forward gets the recorder's compile bound (vk.commands.COMPILE_TIMEOUT_S), later ones
+        VKMOE_TIMEOUT."""
         before, after = self.riders(copies_in, copies_out)
-        first, start = rec.submissions == 0, time.monotonic()
-        try:
-            rec.submit_held(wait=True, before=before, after=after)
-        except TimeoutError:
-            if not (first and rec.pending):
-                raise
-            try:  # still running after VKMOE_TIMEOUT: wait on within the compile bound
-                rec.wait(max(0.0, COMPILE_TIMEOUT_S - (time.monotonic() - start)))
-            except TimeoutError:
-                raise TimeoutError(f"the first run of a newly recorded forward (which may include the driver's "
-                                   f"shader compile) did not finish within {COMPILE_TIMEOUT_S} s; the device may be "
-                                   "hung and should be recreated") from None
+        rec.submit_held(wait=True, before=before, after=after)
 
     def riders(self, copies_in=(), copies_out=()):
         """(before, after): the lists of recorders holding the copies, to submit around the op's buffer (recorded

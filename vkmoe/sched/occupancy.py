@@ -12,13 +12,13 @@ import threading
 import numpy as np
 
 from ..vk import CommandRecorder
+from ..vk.commands import COMPILE_TIMEOUT_S
 from . import residency
 from .probe import (BASE_SHARED_BYTES, DEFAULT_WORKGROUP_SIZE, HOST_TIMEOUT_S, SLOT_WORDS, SpinBudget,
                     calibrate_spin, residency_pipeline, summarize_discovery)
 
 REPEATS = 3              # the plan takes the smallest clean count
 LAUNCH_PER_CU = 16       # more 256-invocation workgroups per compute unit than any device keeps resident
-COMPILE_TIMEOUT_S = 600  # the first dispatch may include the driver's compile of a large pipeline (lavapipe)
 PARAM_WORDS = 12         # OCC_PARAMS in occupancy.glsl: open, wait and lock iterations, written by the host
 
 _lock = threading.Lock()

@@ -23,6 +23,11 @@ ffi = vk.ffi
 # a spinning thread would take from the driver's workers, so it never spins there.
 SPIN_BEFORE_SLEEP_S = 0.0005
 
+# How long the first run of a freshly recorded command buffer may take when the caller names no timeout: lavapipe
+# compiles a pipeline at its first dispatch (4.5 s for a tiny split layer on Mesa 25, 70-140 s for a persistent
+# one on a cold, busy machine), which must not be mistaken for a hung device. Later runs get VKMOE_TIMEOUT.
+COMPILE_TIMEOUT_S = 600
+
 _submissions = 0  # vkQueueSubmit calls made by this process (submission_count())
 _native_submissions = 0  # those made through the native call path (native_submission_count())
 
@@ -125,7 +130,9 @@ class CommandRecorder:
         self._recording = False
         self._recorded = False
         self._pending = False
-        self.submissions = 0  # of this command buffer (the first may include the driver's lazy compile)
+        self.submissions = 0  # of this command buffer
+        self._fresh = False  # recorded since its last submission: the next run may include the driver's compile
+        self._pending_fresh = False  # the pending submission is such a first run (waits get COMPILE_TIMEOUT_S)
         self._riding_on = None  # the recorder whose submission (and fence) carried this buffer last
         self.spin_s = 0.0 if device.device_type == "cpu" else SPIN_BEFORE_SLEEP_S
         # Built once: what submit() and wait() hand to the cffi functions.
@@ -243,7 +250,7 @@ class CommandRecorder:
     def end(self):
         self._check_recording()
         call("vkEndCommandBuffer", vk.vkEndCommandBuffer, self.handle)
-        self._recording, self._recorded = False, True
+        self._recording, self._recorded, self._fresh = False, True, True
         return self
 
     # ----------------------------------------------------------------------------------------- submission
@@ -323,6 +330,7 @@ class CommandRecorder:
         global _submissions
         _submissions += 1
         self._pending = True
+        self._pending_fresh, self._fresh = self._fresh, False
         self.submissions += 1
         for r in riders:
             if r is not None:
@@ -343,7 +351,8 @@ class CommandRecorder:
 
     def _wait(self, timeout, spun=False):
         """Wait for the pending submission: spin for spin_s (unless the caller `spun` already), then sleep for up
-        to `timeout` seconds (None: VKMOE_TIMEOUT) in slices."""
+        to `timeout` seconds (None: VKMOE_TIMEOUT, or COMPILE_TIMEOUT_S for the first run of a fresh recording)
+        in slices."""
         if self.spin_s > 0 and not spun:
             status = self._spin(self.spin_s)
             if status == vk.VK_SUCCESS:
@@ -351,7 +360,10 @@ class CommandRecorder:
                 return
             if status != vk.VK_NOT_READY:
                 check("vkGetFenceStatus", status)
+        compiling = timeout is None and self._pending_fresh
         timeout = knobs.get("VKMOE_TIMEOUT") if timeout is None else float(timeout)
+        if compiling:
+            timeout = max(timeout, COMPILE_TIMEOUT_S)
         deadline = time.monotonic() + timeout
         left = max(0.0, timeout)
         while True:
@@ -364,7 +376,9 @@ class CommandRecorder:
             check("vkWaitForFences", result, ok=(vk.VK_TIMEOUT,))
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"the GPU did not finish within {timeout:g} s; the device may be hung and "
+                what = ("the first run of a newly recorded command buffer (which may include the driver's shader "
+                        "compile)" if compiling else "the GPU")
+                raise TimeoutError(f"{what} did not finish within {timeout:g} s; the device may be hung and "
                                    "should be recreated")
 
     def _spin(self, seconds):
