@@ -83,6 +83,7 @@ KNOBS = {k.name: k for k in (
     Knob("VKMOE_DECODE", "auto", "auto, f16 or fp32", _choice("auto", "f16", "fp32")),
     Knob("VKMOE_HADAMARD", "auto", "auto, subgroup or shared", _choice("auto", "subgroup", "shared")),
     Knob("VKMOE_GEMM_WG_PER_CU", 3, "a positive integer", _int_at_least(1)),
+    # the row counts ops.plan.rows_for picks (a leaf module: a literal; tests/test_knobs.py ties the two)
     Knob("VKMOE_MOE_ROWS", None, "1, 4, 8 or 16", _choice(1, 4, 8, 16, convert=int)),
     Knob("VKMOE_MOE_SPLITS", None, "two positive integers GU,D", _split_pair),
     Knob("VKMOE_MOE_DIRECT", "auto", "auto, on or off", _choice("auto", "on", "off")),
@@ -106,7 +107,7 @@ _PARSED_MAX = 256  # a process cycling through ever new values starts over rathe
 _encoded = {}  # knob name -> its key in os.environ's own dict
 
 
-def _environ_text(name):
+def environ_text(name):
     """os.environ.get(name), without its cost for an unset variable: Mapping.get raises and catches a KeyError
     inside (~2.5 us on the dev machine), and the ops read several unset knobs on every call. CPython's
     os.environ keeps its encoded entries in a dict, read here directly (os.environ is looked up each time: it may
@@ -124,7 +125,7 @@ def _environ_text(name):
 
 def get(name, environ=None):
     """The value of knob `name` now: its default when unset or blank, else the parsed text."""
-    text = _environ_text(name) if environ is None else environ.get(name)
+    text = environ_text(name) if environ is None else environ.get(name)
     if text is None:
         return KNOBS[name].default
     try:
