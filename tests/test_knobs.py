@@ -136,3 +136,20 @@ def test_set_unset_and_replaced_environments_are_read(monkeypatch):
     assert knobs.get("VKMOE_TIMEOUT") == 60.0
     monkeypatch.setattr(os, "environ", {"VKMOE_TIMEOUT": "3"})  # not CPython's mapping: its get() is used
     assert knobs.get("VKMOE_TIMEOUT") == 3.0
+
+
+def test_moe_rows_knob_offers_exactly_the_plans_row_counts(monkeypatch):
+    """VKMOE_MOE_ROWS's choices (a literal: knobs is a leaf module) are the row counts ops.plan.rows_for picks, the
+    largest being layout.MOE_ROWS_MAX, which sizes the FMA stages' per-row shared arrays."""
+    from vkmoe import layout
+    from vkmoe.ops import plan
+    planned = {plan.rows_for(m) for m in range(1, 4 * layout.MOE_ROWS_MAX)}
+    accepted = set()
+    for rows in range(2 * layout.MOE_ROWS_MAX + 1):
+        monkeypatch.setenv("VKMOE_MOE_ROWS", str(rows))
+        try:
+            accepted.add(knobs.get("VKMOE_MOE_ROWS"))
+        except knobs.KnobError:
+            pass
+    assert accepted == planned
+    assert max(accepted) == layout.MOE_ROWS_MAX
