@@ -153,20 +153,32 @@ def _run_zeroed(device, pipe, buffer_words, record, timeout, timestamps=0):
     return words, stamps, wall
 
 
+def warm_up(device, pipe, buf):
+    """One short dispatch of the residency pipeline `pipe` (one workgroup, every spin 1-10 iterations): some
+    drivers (lavapipe) compile a pipeline at its first dispatch, which must count neither against a measurement's
+    HOST_TIMEOUT_S nor in its timings. The wait names no timeout, so this first run of a fresh recording gets the
+    recorder's compile bound (vk.commands.COMPILE_TIMEOUT_S): a loaded CI machine's Mesa 25 took over 20 s."""
+    dset = pipe.bind(buf)
+    try:
+        with CommandRecorder(device) as rec:
+            rec.begin()
+            rec.fill(buf, 0)
+            rec.barrier()
+            rec.dispatch(pipe, dset, 1, pipe.push(slot=0, launched=2, open_iters=1, wait_iters=1, lock_iters=10,
+                                                  budget=100))
+            rec.end()
+            rec.submit(wait=True)
+    finally:
+        dset.free()
+
+
 def calibrate_spin(device, pipe, buf):
     """Nanoseconds per spin-loop iteration of one workgroup (timestamps, difference of two lengths). `buf`: two
     measurement slots of scratch."""
+    warm_up(device, pipe, buf)
     dset = pipe.bind(buf)
     lengths = (200, 1000)
     with CommandRecorder(device, timestamps=4) as rec:
-        # Warm-up: some drivers (llvmpipe) compile the shader at its first dispatch, which must not be timed.
-        rec.begin()
-        rec.fill(buf, 0)
-        rec.barrier()
-        rec.dispatch(pipe, dset, 1, pipe.push(slot=0, launched=2, open_iters=1, wait_iters=1, lock_iters=10,
-                                              budget=100))
-        rec.end()
-        rec.submit(wait=True, timeout=HOST_TIMEOUT_S)
         rec.begin()
         rec.fill(buf, 0)
         rec.barrier()
@@ -395,6 +407,8 @@ def probe_residency(device=None, variants=None, progress=False, repeats=5, round
             cal_buf = dev.memory.allocate(4 * SLOT_WORDS * 2, host_visible=True)
             try:
                 ns = calibrate_spin(dev, pipes[0], cal_buf)
+                for p in pipes[1:]:  # (calibrate_spin warmed pipes[0] up)
+                    warm_up(dev, p, cal_buf)
             finally:
                 cal_buf.close()
             budget = SpinBudget(cap, ns, dev.device_type == "cpu")

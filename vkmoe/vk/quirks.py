@@ -24,7 +24,7 @@ def _run_probe_shader(device, shader, words, groups, push=None):
             rec.begin()
             rec.dispatch(pipe, pipe.bind(buf), groups, push)
             rec.end()
-            rec.submit(wait=True, timeout=60)
+            rec.submit(wait=True)  # a fresh recording: the compile bound (a lazy compile at the first dispatch)
         return buf.download(np.uint32)
     finally:
         buf.close()
