@@ -84,9 +84,10 @@ def persistent_plan(device, moe_plan, E, H, I, gated, measured=None, scratch_fit
     name = f"{device.name} {device.driver_name}".lower()
     cap = device.quirks.get("loop_iteration_cap")
     # Iterations of 32 polls. A CPU driver's co-resident workgroups are threads the OS may leave waiting while a
-    # spinning one runs: on Mesa 25 (no loop cap) 200,000 iterations lasted 0.43 s beside a loaded test run, and a
-    # routed launch of a golden layer aborted into split when three test processes shared two cores; 2,000,000
-    # (~4 s) is the bound there. A GPU keeps its workgroups running: 65,536 (about a second of polls).
+    # spinning one runs: on Mesa 25 (no loop cap) 200,000 iterations lasted 0.43 s beside a loaded test run, and
+    # on Mesa 22.3 a wait of a golden layer's persistent launch ran out of its bound in a CI run beside the other
+    # lavapipe's suite (moe_spin_paced); 2,000,000 (~4 s) is the bound on Mesa 25. A GPU keeps its workgroups
+    # running: 65,536 (about a second of polls).
     spin_limit = 2_000_000 if device.device_type == "cpu" else 1 << 16
     loop_budget = 0xFFFFFFFF
 
