@@ -682,10 +682,9 @@ def test_first_run_may_include_the_drivers_shader_compile():
         ref = reference.moe_forward(c["x"], c["selected"], c["weights"], L.gate, L.up, L.down, activation="gelu")
         m, top_k = c["selected"].shape
         with vkmoe.Exl3MoeMlp(dev, L.gate, L.up, L.down, activation="gelu") as moe:
-            bufs = [dev.memory.allocate(a.nbytes) for a in (c["x"].astype(np.float16), c["selected"].astype(np.int32),
-                                                            c["weights"].astype(np.float32))]
-            for buf, a in zip(bufs, (c["x"].astype(np.float16), c["selected"].astype(np.int32),
-                                     c["weights"].astype(np.float32))):
+            inputs = (c["x"].astype(np.float16), c["selected"].astype(np.int32), c["weights"].astype(np.float32))
+            bufs = [dev.memory.allocate(a.nbytes) for a in inputs]
+            for buf, a in zip(bufs, inputs):
                 buf.upload(np.ascontiguousarray(a))
             out = dev.memory.allocate(m * moe.H * 4)
             out.upload(np.full((m, moe.H), np.nan, np.float32))

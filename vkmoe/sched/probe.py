@@ -157,7 +157,8 @@ def warm_up(device, pipe, buf):
     """One short dispatch of the residency pipeline `pipe` (one workgroup, every spin 1-10 iterations): some
     drivers (lavapipe) compile a pipeline at its first dispatch, which must count neither against a measurement's
     HOST_TIMEOUT_S nor in its timings. The wait names no timeout, so this first run of a fresh recording gets the
-    recorder's compile bound (vk.commands.COMPILE_TIMEOUT_S): a loaded CI machine's Mesa 25 took over 20 s."""
+    recorder's compile bound (vk.commands.COMPILE_TIMEOUT_S): in a cold three-process test run on a
+    2-core machine, Mesa 25's took over 20 s."""
     dset = pipe.bind(buf)
     try:
         with CommandRecorder(device) as rec:
