@@ -465,35 +465,48 @@ void moe_gate_up(uint item) {
     }
 }
 
-// had_v = partial row q (partial_row0) of projection proj at this invocation's columns n0 .. of I, summed over
-// the k-splits in split order and rounded to fp16 (the GEMM output Ig / Iu). Every lane runs the same loop (on a
-// valid row: Mesa 22.3's rule on loops beside barriers, see hadamard128.glsl).
-void gu_sum(uint proj, uint q, uint n0) {
-    split_sum_had((proj * pc.splits_gu * partial_rows() + q) * pc.I + n0, partial_rows() * pc.I, pc.splits_gu);
-    [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) had_v[j] = rn16(had_v[j]);
-}
+// The first element of this invocation's columns n0 .. of I in partial row q (partial_row0) of projection proj's
+// k-split 0 (split s is s * partial_rows() * I further on).
+uint gu_partial(uint proj, uint q, uint n0) { return (proj * pc.splits_gu * partial_rows() + q) * pc.I + n0; }
 
 float s3_gate[HAD_MAX_VALS];  // stage 3: g of this invocation's columns while up is transformed (module level and fixed size, as had_v)
 
 // Rows of one chunk, one 128-band of I, one row per Hadamard lane group and HAD_PASS_ROWS per pass:
-// u = had_out(Iu, up.svh), g = had_out(Ig, gate.svh), p = act(g) * u, inter = had_in(p, down.suh). The chunk's
-// rows are sorted rows p0 .., their partials rows q0 .. (partial_row0); rows past nr run on row nr - 1, dropped.
+// u = had_out(Iu, up.svh), g = had_out(Ig, gate.svh), p = act(g) * u, inter = had_in(p, down.suh), where Ig and
+// Iu are the k-split sums of the GEMM partials (split order) rounded to fp16. The chunk's rows are sorted rows
+// p0 .., their partials rows q0 .. (partial_row0); rows past nr run on row nr - 1, dropped. Every lane runs the
+// same loops (on a valid row: Mesa 22.3's rule on loops beside barriers, see hadamard128.glsl).
+// Every load of a pass (both projections' partials and the three scale vectors) is issued before its first
+// transform: this tail is on the critical path of every decode step, and with each load behind the previous
+// transform it waited for several round trips to memory (4.7 of the 17.5 us of the Qwen3 shape's gate/up phase
+// at m = 1 on the H200, persistent kernel: BENCHMARKS.md).
 void moe_stage3(uint e, uint p0, uint q0, uint nr, uint band) {
-    uint n0 = band * 128u + had_col0(), se = e * pc.I + n0;
+    uint n0 = band * 128u + had_col0(), se = e * pc.I + n0, stride = partial_rows() * pc.I;
     for (uint r0 = 0u; r0 < nr; r0 += HAD_PASS_ROWS) {
         uint r = r0 + had_row(), q = q0 + min(r, nr - 1u);
+        float gate_sv[HAD_MAX_VALS], up_sv[HAD_MAX_VALS], down_su[HAD_MAX_VALS], up_sum[HAD_MAX_VALS];
+        [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) {
+            gate_sv[j] = GATED ? f16_at(gate_svh[(se + j) >> 1], se + j) : 0.0;
+            up_sv[j] = f16_at(up_svh[(se + j) >> 1], se + j);
+            down_su[j] = f16_at(down_suh[(se + j) >> 1], se + j);
+        }
+        if (GATED) {
+            split_sum_had_pair(gu_partial(0u, q, n0), gu_partial(1u, q, n0), stride, pc.splits_gu, up_sum);
+        } else {
+            split_sum_had(gu_partial(1u, q, n0), stride, pc.splits_gu);
+            [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) up_sum[j] = had_v[j];
+        }
         [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) s3_gate[j] = 0.0;  // g of a gateless activation
         if (GATED) {
-            gu_sum(0u, q, n0);
+            [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) had_v[j] = rn16(had_v[j]);  // the fp16 GEMM output Ig
             had_transform();
-            [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j)
-                s3_gate[j] = rn16(rn16(had_v[j] * HAD_SCALE) * f16_at(gate_svh[(se + j) >> 1], se + j));
+            [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) s3_gate[j] = rn16(rn16(had_v[j] * HAD_SCALE) * gate_sv[j]);
         }
-        gu_sum(1u, q, n0);
+        [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) had_v[j] = rn16(up_sum[j]);  // Iu
         had_transform();
         [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) {
-            float u = rn16(rn16(had_v[j] * HAD_SCALE) * f16_at(up_svh[(se + j) >> 1], se + j));
-            had_v[j] = rn16(activate(s3_gate[j], u) * f16_at(down_suh[(se + j) >> 1], se + j));
+            float u = rn16(rn16(had_v[j] * HAD_SCALE) * up_sv[j]);
+            had_v[j] = rn16(activate(s3_gate[j], u) * down_su[j]);
         }
         had_transform();
         uint iw = ((p0 + r) * pc.I + n0) >> 1;
@@ -559,25 +572,32 @@ void moe_down(uint item) {
 // reduction level instead of a tail per slot and then a token sum after a second counter (that second level cost
 // 5.2 us of the 17.8 us down phase of the Qwen3 shape at m = 1 on the H200: BENCHMARKS.md). The slots of a pass
 // are summed across rows, so it runs the shared-memory transform (4 rows of had_buf) whatever HAD_SUBGROUP says:
-// the same bits either way (hadamard128.glsl).
+// the same bits either way (hadamard128.glsl). Each invocation holds 2 elements of a pass (4 rows x 128 columns),
+// and their routing weights and svh are requested with their partials, before the transform.
 void moe_stage5_token(uint t, uint band) {
     uint tid = gl_LocalInvocationID.x;
     float acc = 0.0;  // invocations < 128: column band * 128 + tid
     for (uint s0 = 0u; s0 < pc.top_k; s0 += 4u) {  // 4 slots per pass (had rows)
-        for (uint i = tid; i < 4u * 128u; i += WG_SIZE) {
-            uint rr = i >> 7, col = band * 128u + (i & 127u), f = t * pc.top_k + min(s0 + rr, pc.top_k - 1u);
-            // every lane sums (split_sum's loop must not diverge); slots past top_k or without expert give 0
+        bool live[2];
+        float w16[2], sv[2];
+        [[unroll]] for (uint h = 0u; h < 2u; ++h) {
+            uint i = tid + h * WG_SIZE, rr = i >> 7, col = band * 128u + (i & 127u);
+            uint f = t * pc.top_k + min(s0 + rr, pc.top_k - 1u);
+            int e = expert_ids[f];
+            live[h] = s0 + rr < pc.top_k && valid_expert(e);  // else the element gives 0 and writes nothing
+            uint se = uint(live[h] ? e : 0) * pc.H + col;
+            w16[h] = rn16(expert_weights[f]);
+            sv[h] = f16_at(down_svh[se >> 1], se);
+            // every lane sums (split_sum's loop must not diverge)
             float v = split_sum(partial_down() + f * pc.H + col, partial_rows() * pc.H, pc.splits_d);
-            had_buf[i] = (s0 + rr < pc.top_k && valid_expert(expert_ids[f])) ? rn16(v) : 0.0;  // fp16 GEMM output
+            had_buf[i] = live[h] ? rn16(v) : 0.0;  // fp16 GEMM output
         }
         barrier();
         had_fwht(4u);
-        for (uint i = tid; i < 4u * 128u; i += WG_SIZE) {
-            uint rr = i >> 7, col = band * 128u + (i & 127u), f = t * pc.top_k + s0 + rr;
-            int e = s0 + rr < pc.top_k ? expert_ids[f] : -1;
-            if (valid_expert(e)) {
-                uint se = uint(e) * pc.H + col;
-                float v = (had_buf[i] * (HAD_SCALE * rn16(expert_weights[f]))) * f16_at(down_svh[se >> 1], se);
+        [[unroll]] for (uint h = 0u; h < 2u; ++h) {
+            uint i = tid + h * WG_SIZE, rr = i >> 7, col = band * 128u + (i & 127u), f = t * pc.top_k + s0 + rr;
+            if (live[h]) {
+                float v = (had_buf[i] * (HAD_SCALE * w16[h])) * sv[h];
                 had_buf[i] = v;
                 rows_out[f * pc.H + col] = v;  // the (token, slot) rows too: forward_rows (a sharded layer) reads them
             }
@@ -599,14 +619,16 @@ void moe_stage5_token(uint t, uint band) {
 void moe_stage5(uint e, uint p0, uint q0, uint nr, uint band) {
     uint tid = gl_LocalInvocationID.x, h0 = band * 128u + had_col0(), se = e * pc.H + h0;
     for (uint r0 = 0u; r0 < nr; r0 += HAD_PASS_ROWS) {
-        uint r = r0 + had_row(), q = q0 + min(r, nr - 1u);  // every lane loops the same (see gu_sum)
+        uint r = r0 + had_row(), q = q0 + min(r, nr - 1u);  // every lane loops the same (see moe_stage3)
+        // The row's routing weight and svh are requested with its partials, before the transform (as stage 3)
+        uint fidx = moe_row_flat(p0 + min(r, nr - 1u));
+        float w = rn16(expert_weights[fidx]), sv[HAD_MAX_VALS];
+        [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) sv[j] = f16_at(down_svh[(se + j) >> 1], se + j);
         split_sum_had(partial_down() + q * pc.H + h0, partial_rows() * pc.H, pc.splits_d);
         [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) had_v[j] = rn16(had_v[j]);  // the fp16 down GEMM output
         had_transform();
-        uint fidx = moe_row_flat(p0 + min(r, nr - 1u));
-        float w = rn16(expert_weights[fidx]);
         [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j)
-            if (r < nr) rows_out[fidx * pc.H + h0 + j] = (had_v[j] * (HAD_SCALE * w)) * f16_at(down_svh[(se + j) >> 1], se + j);
+            if (r < nr) rows_out[fidx * pc.H + h0 + j] = (had_v[j] * (HAD_SCALE * w)) * sv[j];
     }
     // Every row of the chunk is written before any is counted: one round of arrivals and token sums per tail, not
     // one per Hadamard pass (each round is two device-scope barriers and a round trip through L2; per pass they

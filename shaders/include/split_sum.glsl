@@ -23,9 +23,9 @@ float split_sum(uint first, uint stride, uint n) {
 }
 
 #ifdef HADAMARD128_GLSL
-// had_v[j] (j < HAD_VALS) = the sum over the n k-splits of partial[first + s * stride + j], in split order: the
-// Hadamard tails' form of split_sum (each invocation holds HAD_VALS consecutive columns of its row). Same bits as the
-// plain loop; the same every-invocation rule on n.
+// had_v[j] (j < HAD_VALS) = the sum over the n k-splits of partial[first + s * stride + j] (each invocation of a
+// Hadamard tail holds HAD_VALS consecutive columns of its row), added in split order: the same bits as the plain
+// loop, with split_sum's rules (the same n in every invocation; loads past the last split repeat it).
 void split_sum_had(uint first, uint stride, uint n) {
     [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) had_v[j] = 0.0;
     for (uint s0 = 0u; s0 < n; s0 += SPLIT_SUM_BATCH) {
@@ -38,6 +38,26 @@ void split_sum_had(uint first, uint stride, uint n) {
             if (s0 + b < n) { [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) had_v[j] += x[b][j]; }
     }
 }
-#endif
-
+// Two such sums of the same length at once (stage 3's gate and up rows): had_v = the first, sum_b = the second.
+// Every load of both is issued before any add, so the tail waits for one round trip to L2 where two sums one
+// after the other (each behind a Hadamard transform) waited for two. Same bits and rules as split_sum_had.
+#define SPLIT_SUM_PAIR_BATCH 4u
+void split_sum_had_pair(uint first_a, uint first_b, uint stride, uint n, out float sum_b[HAD_MAX_VALS]) {
+    [[unroll]] for (uint j = 0u; j < HAD_MAX_VALS; ++j) { had_v[j] = 0.0; sum_b[j] = 0.0; }
+    for (uint s0 = 0u; s0 < n; s0 += SPLIT_SUM_PAIR_BATCH) {
+        float xa[SPLIT_SUM_PAIR_BATCH][HAD_MAX_VALS], xb[SPLIT_SUM_PAIR_BATCH][HAD_MAX_VALS];
+        [[unroll]] for (uint b = 0u; b < SPLIT_SUM_PAIR_BATCH; ++b) {
+            uint offset = min(s0 + b, n - 1u) * stride;
+            [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) {
+                xa[b][j] = partial[first_a + offset + j];
+                xb[b][j] = partial[first_b + offset + j];
+            }
+        }
+        [[unroll]] for (uint b = 0u; b < SPLIT_SUM_PAIR_BATCH; ++b)
+            if (s0 + b < n) {
+                [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) { had_v[j] += xa[b][j]; sum_b[j] += xb[b][j]; }
+            }
+    }
+}
+#endif  // HADAMARD128_GLSL
 #endif
