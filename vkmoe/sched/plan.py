@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 
 from .. import knobs, layout
 from ..layout import PERSISTENT_ROUTE_MAX_EXPERTS
+from ..vk.cachefile import LOCATION_VARIABLES
 from . import residency
 
 # The stand-in probe's variant whose verdict (spin barrier, message passing) the persistent kernel relies on: 256
@@ -209,3 +210,22 @@ def decide(device, moe_plan, requested, E, H, I, gated, co_resident=lambda: None
     if not plan.trusted:
         return Decision("split", plan, "auto: " + plan.reason)
     return Decision("persistent", plan, "auto: " + plan.reason)
+
+
+# The knobs decide() reads (the persistent plan's and the auto switch point's), beside the residency cache.
+DECISION_KNOBS = ("VKMOE_PERSISTENT_MAX_M", "VKMOE_PERSISTENT_GRID", "VKMOE_PERSISTENT_WG_PER_CU")
+
+
+class DecisionInputs:
+    """What decide() reads beyond its arguments, as one value that a memo of its answers compares on every call
+    (Exl3MoeMlp keeps its call plans so: ~1 us a call where auto's decide() took ~5): the knobs it reads and
+    `caller_knobs` (what the caller's co_resident callback reads), the variables that place the residency cache,
+    and the cache's version (residency.version: a store by this process seen at once, by another within
+    STAT_INTERVAL_S, as decide() itself would see it). The pipeline's co-resident count is measured once per process
+    (occupancy) and stored in the cache, which changes its version. Equal values: decide() answers as before."""
+
+    def __init__(self, *caller_knobs):
+        self._watch = knobs.Watch(*caller_knobs, *DECISION_KNOBS, *LOCATION_VARIABLES)
+
+    def __call__(self):
+        return self._watch.texts(), residency.version()
