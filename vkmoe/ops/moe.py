@@ -644,10 +644,11 @@ class Exl3MoeMlp:
             if len(shape) != 2 or shape[1] != self.H:
                 raise ValueError(f"hidden: expected shape (m, {self.H}) float16, got {describe(hidden)}")
         elif isinstance(hidden, DeviceArray):
-            shape = hidden.check("hidden", self.device, (None, self.H), np.float16).shape
+            shape = hidden.check("hidden", self.device, (None, self.H), _F16).shape
         else:
             raise ValueError(f"hidden: expected shape (m, {self.H}) float16, got {describe(hidden)}")
-        if hidden.dtype != _F16:
+        dtype = hidden.dtype
+        if dtype is not _F16 and dtype != _F16:  # (numpy's builtin dtypes are singletons: `is` is the usual answer)
             raise TypeError(f"hidden must be float16, got {hidden.dtype}")
         m = shape[0]
         ids_shape = expert_ids.shape if isinstance(expert_ids, np.ndarray) else None
@@ -662,7 +663,8 @@ class Exl3MoeMlp:
         if not isinstance(expert_weights, np.ndarray) or expert_weights.shape != ids_shape:
             raise ValueError(f"expert_weights: expected shape {ids_shape} (that of expert_ids), got "
                              f"{describe(expert_weights)}")
-        if expert_weights.dtype not in _WEIGHT_DTYPES:
+        dtype = expert_weights.dtype
+        if dtype is not _F32 and dtype not in _WEIGHT_DTYPES:
             raise TypeError(f"expert_weights must be float16/float32, got {expert_weights.dtype}")
         if routing:
             check_op_routing(expert_ids, expert_weights, E)
@@ -686,7 +688,7 @@ class Exl3MoeMlp:
         if out is None:
             result = self._forward(hidden, expert_ids, expert_weights, dispatch, check=True)
             return result if dtype is _F32 else result.astype(dtype, copy=False)
-        target = resolve_out(out, self.device, (m, self.H), np.float32)
+        target = resolve_out(out, self.device, (m, self.H), _F32)
         try:
             self._forward(hidden, expert_ids, expert_weights, dispatch, check=True, target=target)
         except BaseException:
