@@ -721,7 +721,8 @@ class Exl3MoeMlp:
             return np.zeros((0, self.H), np.float32)
         # (_submit writes the inputs into the mapped input buffers, converting ids to int32, weights to float32)
         with self._call_lock:  # the shape's scratch stays (no eviction) until its last use in _launch_locked
-            return self._launch_locked(self._plan_locked(m, top_k, arg), hidden, ids, weights, check, target)
+            start = time.perf_counter()  # (last_run's wall_ms counts the planning, as it counted the decision)
+            return self._launch_locked(self._plan_locked(m, top_k, arg), hidden, ids, weights, check, target, start)
 
     def _dispatch_key(self, dispatch):
         """A call's dispatch argument as its plans are keyed: None (VKMOE_DISPATCH, read when planning) or the
@@ -749,10 +750,9 @@ class Exl3MoeMlp:
         plan = self._plans[(m, top_k, arg)] = _CallPlan((m, top_k), requested, scratch, decision, path, stamp)
         return plan
 
-    def _launch_locked(self, plan, hidden, ids, weights, check=False, target=None):
+    def _launch_locked(self, plan, hidden, ids, weights, check, target, start):
         """Run a call as `plan` says; a persistent launch that aborted (a bounded spin ran out) is re-run split on
-        the same inputs. Sets last_run; returns the output."""
-        start = time.perf_counter()
+        the same inputs. Sets last_run (its wall time from `start`, a perf_counter()); returns the output."""
         recording = plan.recording
         if recording is None:
             recording = plan.recording = self._recording(plan.shape, plan.path)
