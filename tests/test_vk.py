@@ -336,6 +336,37 @@ def test_no_leak_over_1000_cycles(dev):
     assert len(dev._children) == children
 
 
+def test_close_waits_for_use_blocks_and_refuses_new_ones():
+    """Device.use() (no lock on its way in and out): close() waits until a block running in another thread (nested
+    here) has left, a block started meanwhile raises DeviceClosedError, and close() then returns."""
+    import threading
+
+    from vkmoe.vk import DeviceClosedError
+
+    d = vkmoe.Device()
+    inside, leave, closed = threading.Event(), threading.Event(), threading.Event()
+
+    def block():
+        with d.use(), d.use():
+            inside.set()
+            leave.wait(20)
+
+    user = threading.Thread(target=block)
+    user.start()
+    assert inside.wait(20)
+    closer = threading.Thread(target=lambda: (d.close(), closed.set()))
+    closer.start()
+    assert not closed.wait(0.5), "close() did not wait for the running block"
+    with pytest.raises(DeviceClosedError):
+        with d.use():
+            pass
+    assert not closed.is_set()
+    leave.set()
+    user.join(20)
+    closer.join(20)
+    assert closed.is_set() and not d._holds
+
+
 def test_device_create_destroy_cycles():
     # In a subprocess so that the RSS measured is this loop's alone.
     code = r"""

@@ -88,7 +88,9 @@ class DeviceArray:
             raise VkmoeError(f"{name} is a closed DeviceArray (its buffer or its device was closed)")
         if self._device is not device:
             raise ValueError(f"{name} is a DeviceArray on {self._device!r}; this op runs on {device!r}")
-        if self.dtype != dtype:  # (a numpy dtype equals its scalar type: no np.dtype() per call)
+        # (a numpy dtype equals its scalar type: no np.dtype() per call; the ops pass dtypes, and numpy's builtin
+        # ones are singletons: `is` is the usual answer)
+        if self.dtype is not dtype and self.dtype != dtype:
             raise TypeError(f"{name} must be {np.dtype(dtype)}, got a DeviceArray of {self.dtype}")
         if shape != self.shape and not _shape_matches(shape, self.shape):  # (equal shapes skip the per-axis test)
             want = "(" + ", ".join("m" if w is None else str(w) for w in shape) + ")"

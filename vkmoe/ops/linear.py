@@ -30,7 +30,7 @@ def _check_x(x, k, device):
     """x as the call writes it: a DeviceArray of this device, or a numpy (m, k) float16 array (any layout: both
     call paths copy strided arrays too)."""
     if isinstance(x, DeviceArray):
-        return x.check("x", device, (None, k), np.float16)
+        return x.check("x", device, (None, k), _F16)
     if type(x) is not np.ndarray:  # (a numpy array, the usual case, skips the call)
         x = host_array(x, "x")
     shape = x.shape
@@ -195,7 +195,7 @@ class Exl3Linear:
         dtype = out_dtype_of(out_dtype)
         x = _check_x(x, self.k, self.device)
         m = x.shape[0]
-        target = None if out is None else resolve_out(out, self.device, (m, self.n), np.float16)
+        target = None if out is None else resolve_out(out, self.device, (m, self.n), _F16)
         if m == 0:
             return np.zeros((0, self.n), dtype) if target is None else target
         with self._call_lock:

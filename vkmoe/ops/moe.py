@@ -18,7 +18,7 @@ from ..exl3 import Exl3Tensor
 from ..layout import ACTIVATIONS, MAX_TOP_K, MOE_BINDINGS
 from ..layout import ROUTE_MAX_EXPERTS as MAX_EXPERTS
 from ..sched import occupancy
-from ..sched.plan import coop_split_reason, decide, persistent_plan
+from ..sched.plan import DecisionInputs, coop_split_reason, decide, persistent_plan
 from ..exl3.reference import F32_MAX, check_op_routing
 from ..vk import CommandRecorder, DeviceClosedError, GpuTime, PushConstants, TimeoutError
 from ..vk.fastcall import BoundedRule, IndexRule
@@ -185,15 +185,9 @@ class _Scratch:
             b.close()
 
 
-class _CallOptions(threading.local):
-    """Per thread, per call: the DeviceArray the output goes to, if any. A class default, so that a thread which
-    never set it reads None without getattr's AttributeError path (~0.5 us on every numpy-out call)."""
-    out = None
-
-
 class _Recording:
-    """A forward recorded by _run (its recorder, the scratch it uses and the RecordedCall that runs it) and the
-    descriptor sets its commands use: the recorder does not free them, so an evicted recording frees them here
+    """A forward recorded by _record_run (its recorder, the scratch it uses and the RecordedCall that runs it) and
+    the descriptor sets its commands use: the recorder does not free them, so an evicted recording frees them here
     (else every re-recording would take new sets for good)."""
 
     def __init__(self, rec, sets, scratch, call=None):
@@ -224,10 +218,6 @@ class RunResult(NamedTuple):
     @property
     def gpu_ms(self) -> float:
         return self.gpu_time.ms
-
-
-# RunResult((out, submitted, abort_code)) without the Python-level __new__ of a NamedTuple (every call makes one)
-_run_result = functools.partial(tuple.__new__, RunResult)
 
 
 class _SplitPath:
@@ -262,6 +252,25 @@ class _PersistentPath:
         return scratch.last_status
 
 
+class _CallPlan:
+    """What a call of one shape (m, top_k) and dispatch argument resolved, kept for the next such call (a decode
+    loop makes the same call thousands of times): the mode requested, the shape's scratch, sched's Decision, the
+    path it chose and that path's recording (made at the first run: decided_mode plans without running). Valid
+    while the decision's inputs are unchanged: `stamp` is what _DECISION_INPUTS() gave when it was made (None for
+    a split request, which reads none). Evicting the shape drops it."""
+    __slots__ = ("shape", "requested", "scratch", "decision", "path", "recording", "stamp")
+
+    def __init__(self, shape, requested, scratch, decision, path, stamp):
+        self.shape, self.requested, self.scratch, self.decision = shape, requested, scratch, decision
+        self.path, self.recording, self.stamp = path, None, stamp
+
+
+# A call plan's validity check: what sched's decision reads, and what this module's part of it reads:
+# VKMOE_DISPATCH (a call without dispatch=), VKMOE_DECODE and VKMOE_HADAMARD (they pick the persistent pipeline
+# whose co-resident count the decision uses: co_resident).
+_DECISION_INPUTS = DecisionInputs("VKMOE_DISPATCH", "VKMOE_DECODE", "VKMOE_HADAMARD")
+
+
 def _run_report(mode, requested, reason, fallback, plan, pplan, gpu_ms, wall_ms):
     """The `last_run` dict (one shape for every outcome)."""
     ran_persistent = mode == "persistent"
@@ -272,7 +281,7 @@ def _run_report(mode, requested, reason, fallback, plan, pplan, gpu_ms, wall_ms)
 
 
 def _check_call_routing(E, arrays):
-    """check_op_routing on a call's (hidden, ids, weights): RecordedCall.run's `check` (see _run)."""
+    """check_op_routing on a call's (hidden, ids, weights): RecordedCall.run's `check` (see _submit)."""
     check_op_routing(arrays[1], arrays[2], E)
 
 
@@ -377,14 +386,16 @@ class Exl3MoeMlp:
         self._scratch = OrderedDict()
         self._io = {}
         self._recorded = {}   # (m, top_k, path key) -> _Recording
+        # (m, top_k, dispatch argument: None or a mode) -> _CallPlan. Not a resource the finalizer frees: its
+        # paths reference the layer (close() and _evict_shapes drop plans with what they use).
+        self._plans = {}
         self._pinned = set()  # shapes passed to record(): a caller's command buffer uses their scratch
         # One forward at a time per layer (the io and scratch buffers are per layer), and no eviction under a
-        # running one; reentrant: _launch holds it around _run.
+        # running one; reentrant: _forward holds it around _launch_locked.
         self._call_lock = threading.RLock()
         self._transfers = CallTransfers(device)      # DeviceArray copies riding on a call's one submission
-        self._call_options = _CallOptions()         # per call: the DeviceArray the output goes to, if any
         self._split_path = _SplitPath(self)
-        self._check_routing = functools.partial(_check_call_routing, E)  # a __call__'s routing rules (_run)
+        self._check_routing = functools.partial(_check_call_routing, E)  # a __call__'s routing rules (_submit)
         self._last_run = None  # the last_run dict, or the parts to make it from (see last_run)
         # A layer dropped without close() still frees its device memory (not at interpreter exit: by then the
         # process gives everything back anyway).
@@ -402,9 +413,9 @@ class Exl3MoeMlp:
         with self._call_lock:  # (its GPU time is read before another call can submit)
             report = self._last_run
             if type(report) is tuple:  # (what _launch_locked keeps: the dict's parts, the GPU time unread)
-                mode, requested, decision, fallback, plan, result, wall_ms = report
+                mode, requested, decision, fallback, plan, rec, submission, wall_ms = report
                 report = self._last_run = _run_report(mode, requested, decision.reason, fallback, plan,
-                                                      decision.plan, result.gpu_ms, wall_ms)
+                                                      decision.plan, rec.gpu_time_of(submission).ms, wall_ms)
             return report
 
     @property
@@ -465,6 +476,8 @@ class Exl3MoeMlp:
         remain. Called with the call lock held, so no call is using them."""
         shapes = [k for k in self._scratch if k not in self._pinned]
         for shape in shapes[:max(0, len(shapes) - keep)]:
+            for key in [k for k in self._plans if k[:2] == shape]:
+                del self._plans[key]
             for key in [k for k in self._recorded if k[:2] == shape]:
                 self._recorded.pop(key).close()
             for b in self._io.pop(shape, ()):
@@ -596,9 +609,9 @@ class Exl3MoeMlp:
     def decided_mode(self, m: int, top_k: int, dispatch=None) -> str:
         """"split" or "persistent": the mode vkmoe.sched picks now for a call of m tokens (for callers that record
         the forward themselves, e.g. vkmoe.ops.block)."""
-        requested = parse_dispatch(dispatch if dispatch is not None else self._dispatch_arg)
+        arg = self._dispatch_key(dispatch)
         with self._call_lock:
-            return self._decide(self._scratch_locked(m, top_k), requested).mode
+            return self._plan_locked(m, top_k, arg).decision.mode
 
     def release_shape(self, m: int, top_k: int) -> None:
         """Unpin a shape record() pinned, once no recording of the caller's uses it any more: it becomes an
@@ -623,7 +636,7 @@ class Exl3MoeMlp:
     def _check_inputs(self, hidden, expert_ids, expert_weights, experts=None, routing=True):
         """Shapes, dtypes and routing of a call; `experts`: how many experts the ids address (default this op's;
         the whole layer's for a layer split over devices, vkmoe.ops.sharded). routing=False leaves the routing
-        values (check_op_routing) to the caller: __call__ has the call check them as it writes them (_run)."""
+        values (check_op_routing) to the caller: __call__ has the call check them as it writes them (_submit)."""
         E = self.E if experts is None else experts
         # (each shape read once: every .shape makes a tuple, and this runs on every call)
         if isinstance(hidden, np.ndarray):
@@ -631,10 +644,11 @@ class Exl3MoeMlp:
             if len(shape) != 2 or shape[1] != self.H:
                 raise ValueError(f"hidden: expected shape (m, {self.H}) float16, got {describe(hidden)}")
         elif isinstance(hidden, DeviceArray):
-            shape = hidden.check("hidden", self.device, (None, self.H), np.float16).shape
+            shape = hidden.check("hidden", self.device, (None, self.H), _F16).shape
         else:
             raise ValueError(f"hidden: expected shape (m, {self.H}) float16, got {describe(hidden)}")
-        if hidden.dtype != _F16:
+        dtype = hidden.dtype
+        if dtype is not _F16 and dtype != _F16:  # (numpy's builtin dtypes are singletons: `is` is the usual answer)
             raise TypeError(f"hidden must be float16, got {hidden.dtype}")
         m = shape[0]
         ids_shape = expert_ids.shape if isinstance(expert_ids, np.ndarray) else None
@@ -649,7 +663,8 @@ class Exl3MoeMlp:
         if not isinstance(expert_weights, np.ndarray) or expert_weights.shape != ids_shape:
             raise ValueError(f"expert_weights: expected shape {ids_shape} (that of expert_ids), got "
                              f"{describe(expert_weights)}")
-        if expert_weights.dtype not in _WEIGHT_DTYPES:
+        dtype = expert_weights.dtype
+        if dtype is not _F32 and dtype not in _WEIGHT_DTYPES:
             raise TypeError(f"expert_weights must be float16/float32, got {expert_weights.dtype}")
         if routing:
             check_op_routing(expert_ids, expert_weights, E)
@@ -673,16 +688,13 @@ class Exl3MoeMlp:
         if out is None:
             result = self._forward(hidden, expert_ids, expert_weights, dispatch, check=True)
             return result if dtype is _F32 else result.astype(dtype, copy=False)
-        target = resolve_out(out, self.device, (m, self.H), np.float32)
-        self._call_options.out = target  # read by _run, below the mode decision
+        target = resolve_out(out, self.device, (m, self.H), _F32)
         try:
-            self._forward(hidden, expert_ids, expert_weights, dispatch, check=True)
+            self._forward(hidden, expert_ids, expert_weights, dispatch, check=True, target=target)
         except BaseException:
             if target is not out:
                 target.close()
             raise
-        finally:
-            self._call_options.out = None
         return target
 
     def slot_rows(self, hidden, ids, weights, dispatch=None):
@@ -697,42 +709,72 @@ class Exl3MoeMlp:
             self._forward(hidden, ids, weights, dispatch)
             return self._scratch_for(m, top_k).rows.download(np.float32, (m, top_k, self.H))
 
-    def _forward(self, hidden, ids, weights, dispatch, check=False):
+    def _forward(self, hidden, ids, weights, dispatch, check=False, target=None):
         """Run inputs whose shapes and dtypes are checked in the resolved dispatch mode; check=True: the routing
-        values are checked too (check_op_routing, as they are written: _run), else ids outside [0, E) are
-        skipped on the device."""
+        values are checked too (check_op_routing, as they are written: _submit), else ids outside [0, E) are
+        skipped on the device. target: None (returns the output as numpy) or the DeviceArray it goes to."""
         m, top_k = ids.shape
-        mode = parse_dispatch(dispatch if dispatch is not None else self._dispatch_arg)
+        arg = self._dispatch_key(dispatch)
         if m == 0:
-            self._last_run = _run_report("none", mode, "m = 0: nothing to run", None, None, None, 0.0, 0.0)
+            self._last_run = _run_report("none", parse_dispatch(arg), "m = 0: nothing to run", None, None, None,
+                                         0.0, 0.0)
             return np.zeros((0, self.H), np.float32)
-        # (_run writes the inputs into the mapped input buffers, converting ids to int32, weights to float32)
+        # (_submit writes the inputs into the mapped input buffers, converting ids to int32, weights to float32)
         with self._call_lock:  # the shape's scratch stays (no eviction) until its last use in _launch_locked
-            return self._launch_locked(mode, hidden, ids, weights, m, top_k, check)
+            start = time.perf_counter()  # (last_run's wall_ms counts the planning, as it counted the decision)
+            return self._launch_locked(self._plan_locked(m, top_k, arg), hidden, ids, weights, check, target, start)
 
-    def _launch_locked(self, requested, hidden, ids, weights, m, top_k, check=False):
-        """Run in the mode vkmoe.sched decides; a persistent launch that aborted (a bounded spin ran out) is
-        re-run split on the same inputs. Sets last_run; returns the output."""
-        start = time.perf_counter()
-        scratch = self._scratch_locked(m, top_k)
+    def _dispatch_key(self, dispatch):
+        """A call's dispatch argument as its plans are keyed: None (VKMOE_DISPATCH, read when planning) or the
+        mode it names (checked: a bad one raises)."""
+        arg = dispatch if dispatch is not None else self._dispatch_arg
+        if arg is None or (type(arg) is str and arg in _MODES):
+            return arg
+        return parse_dispatch(arg)
+
+    def _plan_locked(self, m, top_k, arg):
+        """The _CallPlan of shape (m, top_k) and dispatch argument `arg` (_dispatch_key), made again when the
+        decision's inputs changed (the caller holds the call lock)."""
+        stamp = None if arg == "split" else _DECISION_INPUTS()
+        plan = self._plans.get((m, top_k, arg))
+        if plan is None or plan.stamp != stamp:
+            return self._make_plan(m, top_k, arg, stamp)
+        self._scratch.move_to_end(plan.shape)  # a use of the shape, as _scratch_locked counts one (LRU eviction)
+        return plan
+
+    def _make_plan(self, m, top_k, arg, stamp):
+        requested = parse_dispatch(arg)
+        scratch = self._scratch_locked(m, top_k)  # (a new shape may evict others, and their plans)
         decision = self._decide(scratch, requested)
-        mode, fallback = decision.mode, None
+        path = _PersistentPath(self, decision.plan) if decision.mode == "persistent" else self._split_path
+        plan = self._plans[(m, top_k, arg)] = _CallPlan((m, top_k), requested, scratch, decision, path, stamp)
+        return plan
+
+    def _launch_locked(self, plan, hidden, ids, weights, check, target, start):
+        """Run a call as `plan` says; a persistent launch that aborted (a bounded spin ran out) is re-run split on
+        the same inputs. Sets last_run (its wall time from `start`, a perf_counter()); returns the output."""
+        recording = plan.recording
+        if recording is None:
+            recording = plan.recording = self._recording(plan.shape, plan.path)
+        out = self._submit(recording, plan.path, hidden, ids, weights, check, target)
+        decision, fallback = plan.decision, None
+        mode = decision.mode
         if mode == "persistent":
-            result = self.run_persistent(hidden, ids, weights, m, top_k, decision.plan, check)
-            if result.abort_code:
-                why = layout.ABORT_REASONS.get(result.abort_code, result.abort_code)
+            abort = plan.path.check(plan.scratch)
+            if abort:
+                why = layout.ABORT_REASONS.get(abort, abort)
                 fallback = (f"persistent launch aborted ({why}; grid {decision.plan.workgroups} from "
                             f"{decision.plan.source}): re-ran in split mode")
-                scratch.reset_sync()
-                result, mode = self._run_path(self._split_path, hidden, ids, weights, m, top_k, check), "split"
-        else:
-            result = self._run_path(self._split_path, hidden, ids, weights, m, top_k, check)
-            if requested == "persistent":  # a request not honoured; an ordinary auto decision is only `reason`
-                fallback = decision.reason
+                plan.scratch.reset_sync()
+                recording, mode = self._recording(plan.shape, self._split_path), "split"
+                out = self._submit(recording, self._split_path, hidden, ids, weights, check, target)
+        elif plan.requested == "persistent":  # a request not honoured; an ordinary auto decision is only `reason`
+            fallback = decision.reason
         # (the report, with its GPU time, is made only if read: see last_run)
-        self._last_run = (mode, requested, decision, fallback, scratch.plan, result,
+        rec = recording.rec
+        self._last_run = (mode, plan.requested, decision, fallback, plan.scratch.plan, rec, rec.submissions,
                           (time.perf_counter() - start) * 1e3)
-        return result.out
+        return out
 
     def _decide(self, scratch, requested):
         """vkmoe.sched's Decision for a call of `scratch`'s shape in mode `requested`."""
@@ -752,34 +794,35 @@ class Exl3MoeMlp:
                 kinds=["upload", "upload", "upload", "readback"]))
         return io
 
-    def _run(self, hidden, ids, weights, m, top_k, key, record_body, status=False, check=False):
-        """Write the inputs, submit the command buffer recorded for (m, top_k, key) ONCE, wait; returns (out,
-        (the recorder, its submission number: RunResult.gpu_time), scratch, abort word). Recorded on first use:
-        the output poisoned with NaN first (an element no stage writes stays NaN), with status=True the sync
-        area's abort word copied behind the output.
-        hidden may be a DeviceArray, and the output may go to the DeviceArray of _call_options.out (then out
-        is None): their copies are recorded per call and ride on the same submission (CallTransfers). ids and
-        weights: any integer / float arrays of shape (m, top_k), written as int32 / float32. check=True: their
-        values are checked first (check_op_routing; the native path does it in C as it copies them)."""
-        with self._call_lock:  # one forward at a time per layer: the io and scratch buffers are per layer
-            return self._run_locked(hidden, ids, weights, m, top_k, key, record_body, status, check)
-
-    def _run_locked(self, hidden, ids, weights, m, top_k, key, record_body, status, check):
-        """_run for a caller holding the call lock (a call's path: re-entering it costs ~0.3 us)."""
-        recording = self._recorded.get((m, top_k, key))
+    def _recording(self, shape, path):
+        """The _Recording of `path` for batch shape (m, top_k), recorded on first use (the caller holds the call
+        lock): the output poisoned with NaN first (an element no stage writes stays NaN), the path's commands,
+        and for a path that reads_status the sync area's abort word copied behind the output."""
+        key = (*shape, path.key)
+        recording = self._recorded.get(key)
         if recording is None:
-            recording = self._recorded[(m, top_k, key)] = self._record_run(m, top_k, record_body, status)
+            recording = self._recorded[key] = self._record_run(*shape, path.record, path.reads_status)
+        return recording
+
+    def _submit(self, recording, path, hidden, ids, weights, check, target=None):
+        """Write the inputs, submit `recording` (of `path`) ONCE, wait; returns the output (None where it goes to
+        the DeviceArray `target`) and leaves the abort word in the scratch's last_status. The caller holds the
+        call lock (one forward at a time per layer: the io and scratch buffers are per layer).
+        hidden may be a DeviceArray, and so may the output: their copies are recorded per call and ride on the
+        same submission (CallTransfers). ids and weights: any integer / float arrays of shape (m, top_k), written
+        as int32 / float32. check=True: their values are checked first (check_op_routing; the native path does it
+        in C as it copies them)."""
+        call = recording.call
         # The io buffers are mapped: written and read under ONE hold of the device (a closed device's memory
         # is unmapped; close() waits for this block instead).
         with self.device.use():
-            out = recording.call.run(self._transfers, (hidden, ids, weights), self._call_options.out, _F32,
-                                     self._check_routing if check else None)
-            abort = recording.call.status_word() if status else 0
-        rec = recording.rec
-        return out, (rec, rec.submissions), recording.scratch, abort
+            out = call.run(self._transfers, (hidden, ids, weights), target, _F32,
+                           self._check_routing if check else None)
+            recording.scratch.last_status = call.status_word() if path.reads_status else 0
+        return out
 
     def _record_run(self, m, top_k, record_body, status):
-        """_run's recording: the output poisoned with NaN, record_body's commands between two timestamps, the
+        """_recording's recording: the output poisoned with NaN, record_body's commands between two timestamps, the
         abort word copied behind the output (status=True), a host barrier."""
         hb, ib, wb, ob = self._io_for(m, top_k)
         scratch = self._scratch_for(m, top_k)
@@ -805,12 +848,12 @@ class Exl3MoeMlp:
         # record_body returns the descriptor sets it bound (None: none to free with the recording)
         return _Recording(rec, sets or (), scratch, call)
 
-    def _run_path(self, path, hidden, ids, weights, m, top_k, check=False):
-        """Run `path` (the caller holds the call lock); returns a RunResult."""
-        out, submitted, scratch, status = self._run_locked(hidden, ids, weights, m, top_k, path.key, path.record,
-                                                          path.reads_status, check)
-        scratch.last_status = status
-        return _run_result((out, submitted, path.check(scratch)))
+    def _run_path(self, path, hidden, ids, weights, m, top_k, check=False, target=None):
+        """Run `path` once (the caller holds the call lock); returns a RunResult."""
+        recording = self._recording((m, top_k), path)
+        out = self._submit(recording, path, hidden, ids, weights, check, target)
+        rec = recording.rec
+        return RunResult(out, (rec, rec.submissions), path.check(recording.scratch))
 
     def run_split(self, hidden, ids, weights, m, top_k, check=False):
         """Upload, run the split path (output poisoned first), wait; returns a RunResult (abort_code 0)."""
@@ -880,6 +923,7 @@ class Exl3MoeMlp:
         with self._call_lock:  # after a call running in another thread, never under it
             self.last_run  # noqa: B018 - made now, while the recording whose GPU time it reads exists
             self._transfers.close()
+            self._plans.clear()  # (they hold recordings freed next)
             _release_layer(*self._resources)
             self._pinned.clear()
 

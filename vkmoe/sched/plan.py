@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 
 from .. import knobs, layout
 from ..layout import PERSISTENT_ROUTE_MAX_EXPERTS
+from ..vk.cachefile import LOCATION_VARIABLES
 from . import residency
 
 # The stand-in probe's variant whose verdict (spin barrier, message passing) the persistent kernel relies on: 256
@@ -136,24 +137,11 @@ def auto_switch_point(device):
     forced = knobs.get("VKMOE_PERSISTENT_MAX_M")
     if forced is not None:
         return forced, "VKMOE_PERSISTENT_MAX_M"
-    shapes = residency.crossover_entries(device)  # read-only, shared: no copy per call
+    shapes = residency.crossover_entries(device)  # read-only, shared: no copy
     if not shapes:
         return 0, "no measured crossover for this device (`vkmoe bench --store-crossover`)"
-    last = _last_switch  # the same entries as the last call (the cache did not change): the same answer
-    if last[0] is shapes:  # (the memo holds them, so a new dict cannot reuse their id)
-        return last[1]
     shape, entry = min(shapes.items(), key=lambda kv: kv[1]["max_m"])
-    found = int(entry["max_m"]), f"measured crossover ({shape}, {entry.get('measured_at', '?')})"
-    _remember_switch(shapes, found)
-    return found
-
-
-_last_switch = (None, None)  # (crossover entries, the switch point they gave): one tuple, swapped whole
-
-
-def _remember_switch(shapes, found):
-    global _last_switch
-    _last_switch = (shapes, found)
+    return int(entry["max_m"]), f"measured crossover ({shape}, {entry.get('measured_at', '?')})"
 
 
 @dataclass(frozen=True)
@@ -162,24 +150,6 @@ class Decision:
     mode: str                      # "split" or "persistent"
     plan: "PersistentPlan | None"  # None when split was requested (then no persistent plan is consulted)
     reason: str
-
-
-# The decisions a decode loop makes on every call, made once (a Decision is immutable; building one and its
-# reason costs ~1 us): split requested, and auto's split above the switch point.
-_SPLIT_REQUESTED = Decision("split", None, "split requested")
-_auto_splits = {}  # (m, limit, source) -> Decision
-_AUTO_SPLITS_MAX = 256  # a server sees every m: start over rather than grow without bound
-
-
-def _auto_split(m, limit, source):
-    key = (m, limit, source)
-    found = _auto_splits.get(key)
-    if found is None:
-        if len(_auto_splits) >= _AUTO_SPLITS_MAX:
-            _auto_splits.clear()
-        found = _auto_splits[key] = Decision("split", None,
-                                             f"auto: split for m={m} (persistent only up to m={limit}: {source})")
-    return found
 
 
 def coop_split_reason(moe_plan):
@@ -191,16 +161,18 @@ def coop_split_reason(moe_plan):
 def decide(device, moe_plan, requested, E, H, I, gated, co_resident=lambda: None, scratch_fits=True):
     """The Decision for a batch planned as `moe_plan` when `requested` ("auto", "persistent" or "split").
     `co_resident()` gives the persistent pipeline's own measured co-residency (ops measures it once per pipeline);
-    it is called only when the persistent kernel is still a candidate, so a split decision measures nothing."""
+    it is called only when the persistent kernel is still a candidate, so a split decision measures nothing.
+    Not on every call: Exl3MoeMlp keeps its answer while DecisionInputs says nothing it reads changed."""
     if requested == "split":  # no persistent knob is read: a bad VKMOE_PERSISTENT_* must not break split
-        return _SPLIT_REQUESTED
+        return Decision("split", None, "split requested")
     if getattr(moe_plan, "coop", False):  # split and persistent must give the same bits: split only
         prefix = "persistent requested but not possible: " if requested == "persistent" else "auto: split: "
         return Decision("split", None, prefix + coop_split_reason(moe_plan))
     if requested == "auto":
         limit, source = auto_switch_point(device)
         if moe_plan.m > limit:
-            return _auto_split(moe_plan.m, limit, source)
+            return Decision("split", None,
+                            f"auto: split for m={moe_plan.m} (persistent only up to m={limit}: {source})")
     plan = persistent_plan(device, moe_plan, E, H, I, gated, co_resident(), scratch_fits)
     if requested == "persistent":
         if plan.allowed:
@@ -209,3 +181,22 @@ def decide(device, moe_plan, requested, E, H, I, gated, co_resident=lambda: None
     if not plan.trusted:
         return Decision("split", plan, "auto: " + plan.reason)
     return Decision("persistent", plan, "auto: " + plan.reason)
+
+
+# The knobs decide() reads (the persistent plan's and the auto switch point's), beside the residency cache.
+DECISION_KNOBS = ("VKMOE_PERSISTENT_MAX_M", "VKMOE_PERSISTENT_GRID", "VKMOE_PERSISTENT_WG_PER_CU")
+
+
+class DecisionInputs:
+    """What decide() reads beyond its arguments, as one value that a memo of its answers compares on every call
+    (Exl3MoeMlp keeps its call plans so: ~1 us a call where auto's decide() took ~5): the knobs it reads and
+    `caller_knobs` (what the caller's co_resident callback reads), the variables that place the residency cache,
+    and the cache's version (residency.version: a store by this process seen at once, by another within
+    STAT_INTERVAL_S, as decide() itself would see it). The pipeline's co-resident count is measured once per process
+    (occupancy) and stored in the cache, which changes its version. Equal values: decide() answers as before."""
+
+    def __init__(self, *caller_knobs):
+        self._watch = knobs.Watch(*caller_knobs, *DECISION_KNOBS, *LOCATION_VARIABLES)
+
+    def __call__(self):
+        return self._watch.texts(), residency.version()

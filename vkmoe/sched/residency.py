@@ -59,7 +59,10 @@ _memo = {}  # path -> ((inode, mtime_ns, size), parsed file)
 # stores are seen at once: _save forgets the check).
 STAT_INTERVAL_S = 0.5
 _checked = {"at": None, "where": None, "data": {}}  # when and where the file was last looked at, what it held
-_unsaved_version = [0]  # bumped whenever _unsaved changes (it is laid over the file: memos must see it)
+_NO_FILE = {}  # what a missing file holds: one object, so that looking at a still missing file changes nothing
+# Bumped whenever lookups may answer differently: _read_file found other data (a store) or looked in another
+# place, or _unsaved (laid over the file) changed. Memos of answers compare it (version()).
+_generation = [0]
 
 
 def _read_file():
@@ -73,15 +76,29 @@ def _read_file():
     try:
         st = os.stat(path)
     except OSError:
-        data = {}
+        data = _NO_FILE
     else:
         stamp = (st.st_ino, st.st_mtime_ns, st.st_size)  # write_json replaces the file: a new inode each time
         hit = _memo.get(path)
         if hit is None or hit[0] != stamp:
             hit = _memo[path] = (stamp, read_json(FILENAME))
         data = hit[1]
+    if data is not _checked["data"] or where != _checked["where"]:
+        _generation[0] += 1
     _checked.update(at=now, where=where, data=data)
     return data
+
+
+def version():
+    """A number that changes whenever lookups may answer differently: after a store by this process at once, by
+    another process within STAT_INTERVAL_S (the file is looked at as lookups look at it). For a memo of answers
+    derived from the cache, checked on every call (the MoE call's dispatch decision: sched.plan.DecisionInputs).
+    It does not look the cache's place up (~1.6 us): such a memo watches cachefile.LOCATION_VARIABLES itself."""
+    at = _checked["at"]
+    if at is None or time.monotonic() - at >= STAT_INTERVAL_S:
+        with _lock:
+            _read_file()
+    return _generation[0]
 
 
 def forget_checks():
@@ -92,7 +109,7 @@ def forget_checks():
 def _save(data, key):
     """Write the cache; when that fails, keep device `key`'s entries in memory for this process."""
     forget_checks()
-    _unsaved_version[0] += 1
+    _generation[0] += 1  # (whether the file or _unsaved takes the data)
     if write_json(FILENAME, data):
         _unsaved.pop(key, None)
     elif key is not None:
@@ -189,19 +206,19 @@ def lookup_crossover(device):
     return copy.deepcopy(crossover_entries(device))
 
 
-_crossovers = {}  # device key -> (the parsed file, _unsaved_version, its valid crossover entries)
+_crossovers = {}  # device key -> (_generation when they were read, its valid crossover entries)
 
 
 def crossover_entries(device):
     """lookup_crossover's answer, shared and read-only: for the per-call auto decision (no copy per call)."""
     key = device_key(device)
     with _lock:
-        raw = _read_file()
+        _read_file()
         hit = _crossovers.get(key)
-        if hit is not None and hit[0] is raw and hit[1] == _unsaved_version[0]:
-            return hit[2]
+        if hit is not None and hit[0] == _generation[0]:
+            return hit[1]
         entries = _valid_crossovers(device, _load().get(key, {}).get(CROSSOVER_KEY))
-        _crossovers[key] = (raw, _unsaved_version[0], entries)
+        _crossovers[key] = (_generation[0], entries)
         return entries
 
 

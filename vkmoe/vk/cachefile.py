@@ -43,6 +43,8 @@ def cache_dir():
 _PLATFORM_ENV = (("LOCALAPPDATA", "USERPROFILE", "WIN_PD_OVERRIDE_LOCAL_APPDATA") if sys.platform == "win32"
                  else ("XDG_CACHE_HOME", "HOME"))
 _platform_dirs = {}
+# Every variable location_key reads: a memo that watches them (knobs.Watch) sees every move of the cache directory.
+LOCATION_VARIABLES = ("VKMOE_CACHE_DIR", *_PLATFORM_ENV)
 
 
 def location_key():

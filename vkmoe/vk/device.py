@@ -191,7 +191,12 @@ def _cooperative_matrix_shapes(instance, physical):
 
 
 class _DeviceHold:
-    """Device.use(): counts the blocks running driver calls (stateless per block, so one instance serves all)."""
+    """Device.use(): registers the blocks running driver calls (stateless per block, so one instance serves all).
+    No lock on the way in and out (every op call passes here; taking the lock in both cost ~0.5 us of ~0.9 on the
+    dev machine): a block registers in d._holds first and looks at d._closed then, close() sets d._closed first
+    and then waits under d._idle until d._holds is empty. So either the block sees the device closed and leaves,
+    or close() sees the block and waits for it. list.append and list.pop are atomic, and the GIL keeps the order
+    of these steps between threads."""
     __slots__ = ("_device",)
 
     def __init__(self, device):
@@ -199,17 +204,17 @@ class _DeviceHold:
 
     def __enter__(self):
         d = self._device
-        with d._use_lock:  # (the lock under d._idle: a Condition's own `with` is two Python calls more)
-            if d._closed:
-                d.check_open()  # raises
-            d._in_use += 1
+        d._holds.append(None)
+        if d._closed:
+            self.__exit__()
+            d.check_open()  # raises
         return d
 
     def __exit__(self, *exc):
         d = self._device
-        with d._use_lock:
-            d._in_use -= 1
-            if d._closed and not d._in_use:
+        d._holds.pop()
+        if d._closed and not d._holds:
+            with d._idle:
                 d._idle.notify_all()  # close() waits for the last block
         return False
 
@@ -229,12 +234,12 @@ class Device:
     def __init__(self, selector: "int | str | None" = None, pipeline_statistics: "bool | None" = None):
         self._closed = True
         self._handle_alive = False
-        # Calls into the driver in progress (`use()`); close() waits for them, so another thread's forward
-        # ends with DeviceClosedError instead of touching destroyed objects.
-        self._in_use = 0
-        # Reentrant: a finalizer that a garbage collection runs inside a use() block may close objects itself.
-        self._use_lock = threading.RLock()
-        self._idle = threading.Condition(self._use_lock)
+        # Calls into the driver in progress (`use()`: one entry per block); close() waits for them, so another
+        # thread's forward ends with DeviceClosedError instead of touching destroyed objects.
+        self._holds = []
+        # close() waits on it for the last block. Its lock is reentrant (Condition's default): a finalizer that a
+        # garbage collection runs while it is held may close objects itself.
+        self._idle = threading.Condition()
         self._hold = _DeviceHold(self)
         self.validation = _validation_requested()
         self.instance = _Instance.get(self.validation)
@@ -568,7 +573,7 @@ class Device:
             if self._closed:
                 return
             self._closed = True
-            while self._in_use:
+            while self._holds:  # (_DeviceHold: a block that registered before this saw the device open)
                 self._idle.wait()
         if not self._handle_alive:
             return

@@ -138,7 +138,9 @@ class NativeCall:
                 continue
             if a.size != slot.count:  # the C copy trusts the sizes: never read past an array (the op checked
                 raise ValueError(f"expected an array of shape {slot.shape}, got {a.shape}")  # the shape)
-            conv, source = slot.into.get(a.dtype), None
+            # (numpy's builtin dtypes are singletons: the usual input, already of the slot's dtype, needs no hash)
+            dtype, source = a.dtype, None
+            conv = _COPY if dtype is slot.dtype else slot.into.get(dtype)
             if conv is not None:
                 try:
                     source = from_buffer(a)
@@ -157,9 +159,9 @@ class NativeCall:
         out, out_conv, dst = None, 0, NULL
         if out_dtype is not None:
             slot = self.output
-            out_conv = slot.out_of.get(out_dtype)
+            out_conv = _COPY if out_dtype is slot.dtype else slot.out_of.get(out_dtype)
             out = np.empty(slot.shape, slot.dtype if out_conv is None else out_dtype)
-            out_conv, dst = out_conv or 0, _ffi.from_buffer(out)
+            out_conv, dst = out_conv or 0, from_buffer(out)
         if self.rec.spin_s != self._spin_s:  # (tests change it on a live recorder)
             self.struct.spin_s = self._spin_s = self.rec.spin_s
         try:
@@ -168,8 +170,8 @@ class NativeCall:
             check(arrays)  # raises, naming the problem
             # It found none: C's rule was stricter than the caller's check, which is the authority.
             self.rec.submit_native(self, convs, 0, sources, dst, out_conv, before, after)
-        if out is not None and out.dtype != out_dtype:  # a narrowing the C side does not do (numpy rounds)
-            out = out.astype(out_dtype)
+        if out is not None and out.dtype is not out_dtype and out.dtype != out_dtype:  # a narrowing the C side
+            out = out.astype(out_dtype)  # does not do (numpy rounds)
         return out
 
     def raise_error(self, result):
