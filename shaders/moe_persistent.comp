@@ -1,5 +1,8 @@
 #version 450
-// vkmoe-variants: idot=-DEXL3_IDOT f16=-DEXL3_IDOT,-DEXL3_F16
+// vkmoe-variants: idot=-DEXL3_IDOT f16=-DEXL3_IDOT,-DEXL3_F16 clock=-DMOE_CLOCK idot_clock=-DEXL3_IDOT,-DMOE_CLOCK f16_clock=-DEXL3_IDOT,-DEXL3_F16,-DMOE_CLOCK
+#ifdef MOE_CLOCK  // the timing build (layout.CLOCK_MARKS): the same kernel, with clock marks
+#extension GL_EXT_shader_realtime_clock : require
+#endif
 // The persistent MoE kernel: ONE dispatch of at most the co-resident number of workgroups of THIS pipeline (the
 // host measures it with this very binary in its discovery mode, pc.mode = MOE_MODE_DISCOVER) running every stage
 // of moe_stages.glsl. There is no grid-wide barrier: work items are dealt out statically (round robin, in the
@@ -67,6 +70,7 @@ void main() {
         discover();
         return;
     }
+    MOE_CLOCK_START();
     uint G = pc.num_workgroups, wg = wg_uniform(gl_WorkGroupID.x);
     if (!DIRECT) {
         // Routing needs nothing and stage 1 needs only the expert ids (rows by (token, slot)): workgroup 0 routes
@@ -88,6 +92,7 @@ void main() {
         moe_gate_up(i);
         if (moe_launch_failed) break;
     }
+    MOE_CLOCK_MARK(CLOCK_GATE_UP_DONE);
     // Down items continue the round robin where gate/up left off, so the workgroups with fewer gate/up items
     // start on them first.
     uint d_items = moe_launch_failed ? 0u : routed_chunks() * down_items_per_chunk();
@@ -95,5 +100,7 @@ void main() {
         moe_down(i);
         if (moe_launch_failed) break;
     }
+    MOE_CLOCK_MARK(CLOCK_DOWN_DONE);
     retire();
+    MOE_CLOCK_MARK(CLOCK_RETIRED);
 }

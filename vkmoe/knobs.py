@@ -90,6 +90,7 @@ KNOBS = {k.name: k for k in (
     Knob("VKMOE_PERSISTENT_GRID", None, "a positive integer", _int_at_least(1)),
     Knob("VKMOE_PERSISTENT_WG_PER_CU", None, "a positive integer", _int_at_least(1)),
     Knob("VKMOE_PERSISTENT_MAX_M", None, "an integer >= 0", _int_at_least(0)),
+    Knob("VKMOE_PERSISTENT_CLOCK", False, "1/0 (or true/false, yes/no, on/off)", _flag),
     Knob("VKMOE_COOPMAT", "auto", "auto, on or off", _choice("auto", "on", "off")),
     Knob("VKMOE_COOPMAT_MIN_M", 16, "a positive integer", _int_at_least(1)),
     Knob("VKMOE_COOPMAT_MOE_MIN_ROWS", 6, "a positive integer", _int_at_least(1)),

@@ -71,6 +71,19 @@ SYNC_ROUTED = 2        # persistent: 1 once workgroup 0 has written the chunk ta
 SYNC_STAGE1_DONE = 3   # persistent: workgroups done with their share of routing + stage 1
 SYNC_COUNTERS = 16     # arrival counters: gate/up bands, down bands, token bands; then per-chunk progress
 
+# The persistent kernel's timing build (moe_persistent.comp with MOE_CLOCK; VKMOE_PERSISTENT_CLOCK, tools/bench_moe
+# --timeline): invocation 0 of each workgroup stores the device's realtime clock (VK_KHR_shader_clock, 64 bits as
+# two words) at these marks, in CLOCK_WORDS_PER_WG words per workgroup behind both GEMMs' partials (clock_offset);
+# a mark the workgroup never reached reads 0. "first_*" marks are those of the workgroup's first item of that
+# stage; the tails' marks only where that item was its band's last arrival. Then two words: the number of the
+# workgroup's dependency waits that spun, and their total time (ns, low 32 bits).
+CLOCK_MARKS = ("start", "first_gate_up_gemm", "first_gate_up_arrival", "first_stage3_end", "gate_up_done",
+               "first_wait_begin", "first_wait_end", "first_down_gemm", "first_down_arrival", "first_stage5_end",
+               "down_done", "retired")
+CLOCK_WAITS = 2 * len(CLOCK_MARKS)      # word: waits that spun; + 1: their total ns
+CLOCK_WORDS_PER_WG = 32
+CLOCK_MAX_WORKGROUPS = 8192             # the timing area's size: grids up to this many workgroups
+
 # The persistent kernel's push-constant `mode` (moe_bindings.glsl): run the MoE, or measure its own co-residency.
 MOE_MODE_RUN, MOE_MODE_DISCOVER = 0, 1
 
@@ -143,10 +156,18 @@ def moe_partial_rows(plan):
     return plan.m * plan.top_k + (COOP_MOE_ROW_SLACK * plan.max_chunks if getattr(plan, "coop", False) else 0)
 
 
-def scratch_bytes(plan, H, I):
-    """Bytes of each per-batch-shape MoE scratch buffer, by binding name (plan: ops.plan.MoePlan)."""
+def clock_offset(plan, H, I):
+    """Byte offset of the persistent timing build's clock words in the partials buffer: past both GEMMs' partials."""
+    P = moe_partial_rows(plan)
+    return 4 * (2 * plan.splits_gu * P * I + plan.splits_d * P * H)
+
+
+def scratch_bytes(plan, H, I, clock=False):
+    """Bytes of each per-batch-shape MoE scratch buffer, by binding name (plan: ops.plan.MoePlan); clock=True: the
+    partials buffer also holds the timing build's clock words (clock_offset)."""
     R = plan.m * plan.top_k
     P = moe_partial_rows(plan)
+    clock_bytes = 4 * CLOCK_WORDS_PER_WG * CLOCK_MAX_WORKGROUPS if clock else 0
     return {
         "route": 4 * route_words(plan.m, plan.top_k, plan.max_chunks),
         "states": 2 * (2 * R * H),      # fp16 [2][R][H]: gate and up inputs
@@ -154,7 +175,7 @@ def scratch_bytes(plan, H, I):
         # fp32 k-split partials: gate/up [2][splits_gu][P][I], then down [splits_d][P][H] (P = moe_partial_rows;
         # partial_down in moe_stages.glsl: the persistent kernel runs a chunk's down GEMM while others are in
         # gate/up); the split dispatches need only the larger of the two ("partial_split")
-        "partial": 4 * (2 * plan.splits_gu * P * I + plan.splits_d * P * H),
+        "partial": 4 * (2 * plan.splits_gu * P * I + plan.splits_d * P * H) + clock_bytes,
         "partial_split": 4 * max(2 * plan.splits_gu * P * I, plan.splits_d * P * H),
         "rows": 4 * (R * H),            # fp32 [R][H]: one row per (token, slot)
         "sync": 4 * sync_words(plan.m, plan.max_chunks, H, I),
@@ -247,6 +268,10 @@ def _defines():
                  "MOE_MODE_RUN", "MOE_MODE_DISCOVER", "ROUTE_ROWS", "ROUTE_CHUNKS", "ROUTE_HEADER", "ROUTE_CHUNK_WORDS",
                  "STAGE1_PAIRS_PER_ITEM", "GEMM_RED_WORDS"):
         yield name, f"{globals()[name]}u"  # unsigned constants, under their own names
+    for i, name in enumerate(CLOCK_MARKS):
+        yield f"CLOCK_{name.upper()}", f"{i}u"
+    yield "CLOCK_WAITS", f"{CLOCK_WAITS}u"
+    yield "CLOCK_WORDS_PER_WG", f"{CLOCK_WORDS_PER_WG}u"
     for name, value in ROUTER_FAMILIES.items():
         yield f"ROUTER_{name.upper()}", f"{value}u"
     for name, value in ROUTER_WEIGHT_KINDS.items():

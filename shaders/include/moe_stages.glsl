@@ -39,6 +39,38 @@ uint gemm_b_word(int src, uint index) {
 uvec4 gemm_b_word4(int src, uint index) {
     return src == 0 ? gate_trellis4[index] : src == 1 ? up_trellis4[index] : down_trellis4[index];
 }
+#ifdef MOE_CLOCK
+// The persistent kernel's timing build: invocation 0 of each workgroup stores the realtime clock at the marks
+// CLOCK_* (layout.CLOCK_MARKS) into CLOCK_WORDS_PER_WG words of its own behind both GEMMs' partials (binding 16,
+// sized by layout.scratch_bytes(clock=True)). "first" marks: the workgroup's first item of the stage.
+layout(std430, binding = 16) nonprivate buffer PartialClock { uint clock_words[]; };
+uint moe_clock_base();  // (defined below partial_rows)
+uint moe_clock_gate_up_items = 0u, moe_clock_down_items = 0u, moe_clock_waits = 0u, moe_clock_wait_ns = 0u;
+void moe_clock_put(uint word, uvec2 v) {
+    if (gl_LocalInvocationIndex == 0u) {
+        uint b = moe_clock_base() + gl_WorkGroupID.x * CLOCK_WORDS_PER_WG + word;
+        clock_words[b] = v.x;
+        clock_words[b + 1u] = v.y;
+    }
+}
+void moe_clock_mark(uint mark) { moe_clock_put(2u * mark, clockRealtime2x32EXT()); }
+// The launch's start: this workgroup's other words cleared, so a mark it never reaches reads 0.
+void moe_clock_start() {
+    uint tid = gl_LocalInvocationIndex;
+    if (tid >= 2u && tid < CLOCK_WORDS_PER_WG) clock_words[moe_clock_base() + gl_WorkGroupID.x * CLOCK_WORDS_PER_WG + tid] = 0u;
+    moe_clock_mark(CLOCK_START);
+}
+#define MOE_CLOCK_START() moe_clock_start()
+#define MOE_CLOCK_MARK(mark) moe_clock_mark(mark)
+#define MOE_CLOCK_FIRST_GATE_UP(mark) if (moe_clock_gate_up_items == 0u) moe_clock_mark(mark)
+#define MOE_CLOCK_FIRST_DOWN(mark) if (moe_clock_down_items == 0u) moe_clock_mark(mark)
+#else
+#define MOE_CLOCK_START()
+#define MOE_CLOCK_MARK(mark)
+#define MOE_CLOCK_FIRST_GATE_UP(mark)
+#define MOE_CLOCK_FIRST_DOWN(mark)
+#endif
+
 #ifdef MOE_DEPENDENCY_WAITS
 // The persistent kernel has no grid-wide barrier: a GEMM item waits only for the counter its inputs depend on
 // (gate/up: every workgroup's share of routing + stage 1; down: its chunk's gate/up bands), and only after its
@@ -100,6 +132,9 @@ bool moe_spin_paced(uint word, uint target) {
 // On a driver with a loop cap (lavapipe 22.3: MOE_PACED_SPIN) the whole workgroup spins instead (moe_spin_paced).
 bool moe_wait(uint word, uint target) {
     if (wg_uniform(uint(word == moe_seen_word && target <= moe_seen_target)) != 0u) return true;
+#ifdef MOE_CLOCK
+    uvec2 clock_begin = clockRealtime2x32EXT();
+#endif
     if (MOE_PACED_SPIN) {
         bool hit = moe_spin_paced(word, target);
         if (gl_LocalInvocationIndex == 0u) sync_sh_ok = hit;
@@ -118,6 +153,16 @@ bool moe_wait(uint word, uint target) {
         moe_seen_word = word;
         moe_seen_target = target;
     }
+#ifdef MOE_CLOCK
+    uvec2 clock_end = clockRealtime2x32EXT();
+    if (moe_clock_waits == 0u) {
+        moe_clock_put(2u * CLOCK_FIRST_WAIT_BEGIN, clock_begin);
+        moe_clock_put(2u * CLOCK_FIRST_WAIT_END, clock_end);
+    }
+    moe_clock_waits += 1u;
+    moe_clock_wait_ns += clock_end.x - clock_begin.x;
+    moe_clock_put(CLOCK_WAITS, uvec2(moe_clock_waits, moe_clock_wait_ns));
+#endif
     return ok;
 }
 
@@ -379,6 +424,9 @@ uint partial_row0(uint c, uint p0) { return p0 + COOP_MOE_ROW_SLACK * c; }
 uint partial_rows() { return R(); }
 uint partial_row0(uint c, uint p0) { return p0; }
 #endif
+#ifdef MOE_CLOCK
+uint moe_clock_base() { return 2u * pc.splits_gu * partial_rows() * pc.I + pc.splits_d * partial_rows() * pc.H; }  // layout.clock_offset
+#endif
 
 // --------------------------------------------------------------------- stage 2 (+3): gate/up GEMM, activation
 uint gu_items_per_chunk() { return (pc.I / 128u) * gu_projections() * pc.splits_gu; }
@@ -455,14 +503,20 @@ void moe_gate_up(uint item) {
     moe_dep_target = DIRECT ? 0u : pc.num_workgroups;
 #endif
     gemm_accumulate(DIRECT ? A_DIRECT : A_STATES, int(proj), k_bits, CB, nr, b_base, tiles_n, band, kt0, kt1);
+    MOE_CLOCK_FIRST_GATE_UP(CLOCK_FIRST_GATE_UP_GEMM);
     bool last = gemm_finish_partial(base, pc.I, p0, nr, band, counter, arrivals);
+    MOE_CLOCK_FIRST_GATE_UP(CLOCK_FIRST_GATE_UP_ARRIVAL);
 #endif
     if (last) {
         moe_stage3(e, p0, q0, nr, band);
 #ifdef MOE_DEPENDENCY_WAITS
         moe_signal(counters_chunk_done() + c);  // one more 128-band of this chunk's down input is written
 #endif
+        MOE_CLOCK_FIRST_GATE_UP(CLOCK_FIRST_STAGE3_END);
     }
+#ifdef MOE_CLOCK
+    moe_clock_gate_up_items += 1u;
+#endif
 }
 
 // The first element of this invocation's columns n0 .. of I in partial row q (partial_row0) of projection proj's
@@ -559,12 +613,18 @@ void moe_down(uint item) {
     // Direct mode counts every (slot, k-split) of the token's band on one counter (moe_stage5_token).
     uint arrivals = DIRECT ? moe_token_slots(t) * pc.splits_d : pc.splits_d;
     if (DIRECT) counter = counters_tok() + t * (pc.H / 128u) + band;
+    MOE_CLOCK_FIRST_DOWN(CLOCK_FIRST_DOWN_GEMM);
     bool last = gemm_finish_partial(base, pc.H, p0, nr, band, counter, arrivals);
+    MOE_CLOCK_FIRST_DOWN(CLOCK_FIRST_DOWN_ARRIVAL);
 #endif
     if (last) {
         if (DIRECT) moe_stage5_token(t, band);
         else moe_stage5(e, p0, q0, nr, band);
+        MOE_CLOCK_FIRST_DOWN(CLOCK_FIRST_STAGE5_END);
     }
+#ifdef MOE_CLOCK
+    moe_clock_down_items += 1u;
+#endif
 }
 
 // Direct mode: the last of all (slot, k-split) arrivals of token t's band applies each slot's output Hadamard,

@@ -105,16 +105,18 @@ def coop_moe_name(device, stage):
     return f"moe_{stage}_coop" + ("_idot" if uses_idot(device) else "")
 
 
-def pipeline(device, shader, push, spec=None, decode=False, binding_count=None):
+def pipeline(device, shader, push, spec=None, decode=False, binding_count=None, build=""):
     """The cached pipeline `shader` with specialization `spec`; `decode` shaders get the idot build when the
-    device supports it. Pipelines live until the device closes."""
+    device supports it; `build` names a further build of it (e.g. "clock": NAME[_idot|_f16]_clock). Pipelines
+    live until the device closes."""
     if getattr(device, "missing_subgroup_ops", None):
         raise VkmoeError(f"{device.name}: vkmoe's kernels need subgroup ballot, arithmetic and shuffle operations "
                          f"in compute shaders; this device lacks: {', '.join(device.missing_subgroup_ops)}")
     variant = decode_variant(device) if decode else ""
-    if variant == "f16" and not os.path.exists(os.path.join(SPV_DIR, f"{shader}_f16.spv")):
+    suffix = f"_{build}" if build else ""
+    if variant == "f16" and not os.path.exists(os.path.join(SPV_DIR, f"{shader}_f16{suffix}.spv")):
         variant = "idot"  # this shader has no packed-fp16 build (e.g. the fp32 dequantizer)
-    name = shader + (f"_{variant}" if variant else "")
+    name = shader + (f"_{variant}" if variant else "") + suffix
     if variant == "f16":
         # the exact fused fp16 fma for mul1 only where the driver was measured to fuse it
         spec = dict(spec or {})

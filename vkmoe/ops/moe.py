@@ -20,13 +20,14 @@ from ..layout import ROUTE_MAX_EXPERTS as MAX_EXPERTS
 from ..sched import occupancy
 from ..sched.plan import DecisionInputs, coop_split_reason, decide, persistent_plan
 from ..exl3.reference import F32_MAX, check_op_routing
-from ..vk import CommandRecorder, DeviceClosedError, GpuTime, PushConstants, TimeoutError
+from ..vk import CommandRecorder, DeviceClosedError, GpuTime, PushConstants, TimeoutError, VkmoeError
 from ..vk.fastcall import BoundedRule, IndexRule
 from . import kernels
 from .device_array import CallTransfers, DeviceArray, resolve_out
 from .host_arrays import describe, host_array, out_dtype_of
 from .plan import moe_plan
 from .recorded_call import RecordedCall
+from .timeline import Timeline
 
 from typing import TYPE_CHECKING
 
@@ -84,11 +85,12 @@ def paced_spin_spec(device):
     return {layout.SPEC_MOE_PACED_SPIN: True} if capped else {}
 
 
-def persistent_kernel(device, spec):
+def persistent_kernel(device, spec, clock=False):
     """The persistent kernel's pipeline (the whole forward in one dispatch) for MoE specialization `spec`, with
-    the device's paced-spin specialization (paced_spin_spec) added."""
+    the device's paced-spin specialization (paced_spin_spec) added; clock=True: its timing build (the same kernel
+    with clock marks: vkmoe.ops.timeline)."""
     return kernels.pipeline(device, "moe_persistent", MoePush, {**spec, **paced_spin_spec(device)}, decode=True,
-                            binding_count=MOE_BINDINGS)
+                            binding_count=MOE_BINDINGS, build="clock" if clock else "")
 
 
 def _check_experts(name, tensors, k, n, allow_none=False):
@@ -156,9 +158,9 @@ class _Scratch:
     """The per-batch-size device buffers of one layer: routing tables, fp16 stage buffers, GEMM partials,
     per-(token, slot) output rows and the self-resetting counters."""
 
-    def __init__(self, device, plan, H, I, rows_kind="device"):
+    def __init__(self, device, plan, H, I, rows_kind="device", clock=False):
         self.plan = plan
-        size = layout.scratch_bytes(plan, H, I)
+        size = layout.scratch_bytes(plan, H, I, clock)
         # The persistent kernel needs room for both GEMMs' partials; where that exceeds the device's buffer range
         # the batch runs split only (the split dispatches reuse the space).
         self.persistent_fits = size["partial"] <= device.memory.max_range
@@ -171,6 +173,7 @@ class _Scratch:
                                                   kinds=[rows_kind if k == "rows" else "device" for k in names])
         self.route, self.states, self.inter, self.partial, self.rows, self.sync = self.buffers
         self.last_status = 0  # the abort word the last submitted persistent launch left (read with its output)
+        self.last_grid = 0    # the grid of the last persistent launch recorded on this scratch (persistent_timeline)
         self.reset_sync()
 
     def reset_sync(self):
@@ -370,6 +373,12 @@ class Exl3MoeMlp:
 
     def _setup(self, device, codebook, E, H, I, gate, up, down):
         self.device = device
+        # The persistent kernel's timing build for every launch of this layer (VKMOE_PERSISTENT_CLOCK, read now:
+        # the pipelines and the scratch sizes of the layer's shapes depend on it).
+        self.clock = knobs.get("VKMOE_PERSISTENT_CLOCK")
+        if self.clock and not device.features.get("shaderDeviceClock"):
+            raise VkmoeError(f"VKMOE_PERSISTENT_CLOCK=1: {device.name} lacks VK_KHR_shader_clock's shaderDeviceClock, "
+                             "which the persistent kernel's timing build reads")
         self.E, self.H, self.I = E, H, I
         # The experts the GEMM plans assume: the whole layer's for a shard of it (vkmoe.ops.sharded), so that a
         # shard's k-splits, hence its bits, are those of the whole layer.
@@ -468,7 +477,7 @@ class Exl3MoeMlp:
             return scratch
         self._evict_shapes(knobs.get("VKMOE_SHAPE_CACHE") - 1)
         plan = moe_plan(self.device, m, top_k, self.plan_experts, self.H, self.I, self.gated)
-        self._scratch[key] = _Scratch(self.device, plan, self.H, self.I, self.rows_kind)
+        self._scratch[key] = _Scratch(self.device, plan, self.H, self.I, self.rows_kind, self.clock)
         return self._scratch[key]
 
     def _evict_shapes(self, keep):
@@ -523,7 +532,7 @@ class Exl3MoeMlp:
         return sets
 
     def _persistent_pipeline(self, plan):
-        return persistent_kernel(self.device, self._spec(plan))
+        return persistent_kernel(self.device, self._spec(plan), self.clock)
 
     def co_resident(self, plan):
         """How many workgroups of the persistent pipeline for this batch plan the device keeps resident at once,
@@ -554,7 +563,27 @@ class Exl3MoeMlp:
         dset = pipe.bind(*buffers)
         cmd.dispatch(pipe, dset, pplan.workgroups, self._push(plan, pplan))
         cmd.barrier()
+        scratch.last_grid = pplan.workgroups
         return [dset]
+
+    def persistent_timeline(self, m: int, top_k: int) -> "Timeline":
+        """The clock marks the last persistent launch of batch shape (m, top_k) stored, after its submission
+        completed: a layer made with VKMOE_PERSISTENT_CLOCK=1 only (vkmoe.ops.timeline)."""
+        if not self.clock:
+            raise VkmoeError("persistent_timeline: this layer runs the persistent kernel without clock marks; make "
+                             "it with VKMOE_PERSISTENT_CLOCK=1")
+        with self._call_lock:
+            scratch = self._scratch.get((m, top_k))
+            grid = scratch.last_grid if scratch is not None else 0
+            if not grid:
+                raise VkmoeError(f"persistent_timeline: no persistent launch of shape (m={m}, top_k={top_k}) was "
+                                 "recorded on this layer")
+            if grid > layout.CLOCK_MAX_WORKGROUPS:
+                raise VkmoeError(f"persistent_timeline: the grid of {grid} workgroups exceeds the timing area's "
+                                 f"{layout.CLOCK_MAX_WORKGROUPS}")
+            words = scratch.partial.download(np.uint32, (grid, layout.CLOCK_WORDS_PER_WG),
+                                             offset=layout.clock_offset(scratch.plan, self.H, self.I))
+        return Timeline(words)
 
     def record(self, cmd: CommandRecorder, hidden_buf: "Buffer", ids_buf: "Buffer",
                weights_buf: "Buffer", out_buf: "Buffer", m: int, top_k: int, mode: str = "split"):

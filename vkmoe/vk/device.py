@@ -36,6 +36,16 @@ def _version(v):
     return f"{v >> 22}.{(v >> 12) & 0x3FF}.{v & 0xFFF}"
 
 
+# Extension features vkmoe enables where the device has them (Device.features names them): (feature, extension,
+# its feature struct, the struct's sType constant).
+_EXTENSION_FEATURES = (
+    ("cooperativeMatrix", "VK_KHR_cooperative_matrix", "VkPhysicalDeviceCooperativeMatrixFeaturesKHR",
+     "VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_KHR"),
+    ("shaderDeviceClock", "VK_KHR_shader_clock", "VkPhysicalDeviceShaderClockFeaturesKHR",
+     "VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SHADER_CLOCK_FEATURES_KHR"),
+)
+
+
 def _new_struct(ctype, stype, chain_to=None):
     s = ffi.new(ctype + "*")
     s.sType = stype
@@ -376,6 +386,7 @@ class Device:
             "computeFullSubgroups": bool(f13 and f13.computeFullSubgroups),
             "shaderIntegerDotProduct": bool(f13 and f13.shaderIntegerDotProduct),
             "cooperativeMatrix": self._query_cooperative_matrix(),
+            "shaderDeviceClock": self._query_device_clock(),
             statistics.FEATURE: statistics.query_feature(pd, self.extensions),
         }
 
@@ -393,6 +404,17 @@ class Device:
             return False
         self.cooperative_matrix_shapes = _cooperative_matrix_shapes(self.instance.handle, self.physical)
         return True
+
+    def _query_device_clock(self):
+        """VK_KHR_shader_clock's shaderDeviceClock (a realtime clock shaders read; enabled where it exists): what the
+        persistent kernel's timing build reads (VKMOE_PERSISTENT_CLOCK)."""
+        if "VK_KHR_shader_clock" not in self.extensions:
+            return False
+        clock = _new_struct("VkPhysicalDeviceShaderClockFeaturesKHR",
+                            vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SHADER_CLOCK_FEATURES_KHR)
+        f2 = _new_struct("VkPhysicalDeviceFeatures2", vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2, clock)
+        vk.vkGetPhysicalDeviceFeatures2(self.physical, f2)
+        return bool(clock.shaderDeviceClock)
 
     @property
     def can_require_subgroup_size(self):
@@ -443,12 +465,12 @@ class Device:
         f11 = _new_struct("VkPhysicalDeviceVulkan11Features", vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_FEATURES, f12)
         f11.storageBuffer16BitAccess = f["storageBuffer16BitAccess"]
         extensions, chain = [], [f11]  # extension feature structs go in front of the core ones
-        if f["cooperativeMatrix"]:
-            coop = _new_struct("VkPhysicalDeviceCooperativeMatrixFeaturesKHR",
-                               vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_KHR, chain[-1])
-            coop.cooperativeMatrix = 1
-            chain.append(coop)
-            extensions.append("VK_KHR_cooperative_matrix")
+        for feature, extension, struct, stype in _EXTENSION_FEATURES:
+            if f[feature]:
+                s = _new_struct(struct, getattr(vk, stype), chain[-1])
+                setattr(s, feature, 1)
+                chain.append(s)
+                extensions.append(extension)
         if self.pipeline_statistics:
             chain.append(statistics.new_feature_struct(chain[-1], enable=True))
             extensions.append(statistics.EXTENSION)
