@@ -81,5 +81,12 @@ def test_timeline_errors_name_what_is_missing(device, golden):
         Timeline(np.zeros((3, layout.CLOCK_WORDS_PER_WG), np.uint32))
 
 
+def test_clock_layer_on_a_device_without_the_clock_is_refused(device, golden, monkeypatch):
+    monkeypatch.setitem(device.features, "shaderDeviceClock", False)
+    monkeypatch.setenv("VKMOE_PERSISTENT_CLOCK", "1")
+    with pytest.raises(vkmoe.VkmoeError, match="shaderDeviceClock"):
+        _layer(device, golden)
+
+
 def test_clock_words_fit_their_area():
     assert layout.CLOCK_WAITS + 2 <= layout.CLOCK_WORDS_PER_WG

@@ -93,6 +93,16 @@ def persistent_kernel(device, spec, clock=False):
                             binding_count=MOE_BINDINGS, build="clock" if clock else "")
 
 
+def _clock_requested(device):
+    """Whether a layer made now runs the persistent kernel's timing build (VKMOE_PERSISTENT_CLOCK: read when a layer
+    is made, since the pipelines and the scratch sizes of its shapes depend on it); raises where `device` cannot."""
+    clock = knobs.get("VKMOE_PERSISTENT_CLOCK")
+    if clock and not device.features.get("shaderDeviceClock"):
+        raise VkmoeError(f"VKMOE_PERSISTENT_CLOCK=1: {device.name} lacks VK_KHR_shader_clock's shaderDeviceClock, "
+                         "which the persistent kernel's timing build reads")
+    return clock
+
+
 def _check_experts(name, tensors, k, n, allow_none=False):
     if tensors is None:
         if allow_none:
@@ -319,6 +329,7 @@ class Exl3MoeMlp:
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
         self.activation, self.gated = activation, activation != "relu2"
+        _clock_requested(device)  # before any weight reaches the device
         if not self.gated and gate is not None:
             raise ValueError("activation 'relu2' is gateless: pass gate=None")
         if self.gated and gate is None:
@@ -373,12 +384,7 @@ class Exl3MoeMlp:
 
     def _setup(self, device, codebook, E, H, I, gate, up, down):
         self.device = device
-        # The persistent kernel's timing build for every launch of this layer (VKMOE_PERSISTENT_CLOCK, read now:
-        # the pipelines and the scratch sizes of the layer's shapes depend on it).
-        self.clock = knobs.get("VKMOE_PERSISTENT_CLOCK")
-        if self.clock and not device.features.get("shaderDeviceClock"):
-            raise VkmoeError(f"VKMOE_PERSISTENT_CLOCK=1: {device.name} lacks VK_KHR_shader_clock's shaderDeviceClock, "
-                             "which the persistent kernel's timing build reads")
+        self.clock = _clock_requested(device)  # the timing build (__init__ checked it before uploading weights)
         self.E, self.H, self.I = E, H, I
         # The experts the GEMM plans assume: the whole layer's for a shard of it (vkmoe.ops.sharded), so that a
         # shard's k-splits, hence its bits, are those of the whole layer.
