@@ -145,6 +145,46 @@ def test_recorded_copies_follow_the_arrays(device, ops, layer):
             a.close()
 
 
+def test_arrays_passed_again_are_bound_not_copied(device, ops, layer):
+    """From a pair of arrays' second call on, the MoE binds them in a recording of their own (no copies): the
+    results keep the bits of numpy calls, stale output contents never show, calls alternating between arrays each
+    get their own data, and the layer keeps at most BOUND_RECORDINGS such recordings per shape and path."""
+    from vkmoe.ops import moe as moe_module
+
+    moe = ops[0]
+    call = layer.calls[0]
+    x, ids, w = call["x"], call["selected"], call["weights"]
+    m, top_k = ids.shape
+    xs = [x, (x.astype(np.float32) * 0.5).astype(np.float16)]
+    expect = [moe(v, ids, w) for v in xs]
+    assert not np.array_equal(expect[0], expect[1])
+    n = moe_module.BOUND_RECORDINGS + 2
+    hiddens = [DeviceArray.from_numpy(device, xs[i % 2]) for i in range(n)]
+    outs = [DeviceArray.empty(device, (m, moe.H), np.float32) for _ in range(n)]
+    bound_keys = lambda: [k for k in moe._recorded if len(k) > 3 and k[:2] == (m, top_k)]
+    try:
+        for rnd in range(3):
+            for i in range(n):
+                outs[i].buffer.upload(np.full((m, moe.H), 7.0, np.float32))  # stale contents must be overwritten
+                got = moe(hiddens[i], ids, w, out=outs[i])
+                assert got is outs[i] and np.array_equal(got.numpy(), expect[i % 2]), (rnd, i)
+                y = moe(hiddens[i], ids, w)  # a bound hidden with a numpy output
+                assert np.array_equal(y, expect[i % 2]), (rnd, i)
+            assert len(bound_keys()) == (moe_module.BOUND_RECORDINGS if rnd else 0)  # bound from a second call on
+        assert any(k[3] is not None and k[4] is not None for k in bound_keys())
+        # an output array at the start of a bigger buffer: the bytes past it stay as they were
+        big = device.memory.allocate(m * moe.H * 4 + 64)
+        big.upload(np.full(m * moe.H + 16, 5.0, np.float32))
+        view = DeviceArray(big, (m, moe.H), np.float32)
+        for _ in range(2):
+            assert np.array_equal(moe(hiddens[0], ids, w, out=view).numpy(), expect[0])
+        assert (big.download(np.float32)[m * moe.H:] == 5.0).all()
+        big.close()
+    finally:
+        for a in hiddens + outs:
+            a.close()
+
+
 def test_device_array_hidden_matches_golden(device, ops, layer):
     moe = ops[0]
     for call in layer.calls:
@@ -248,18 +288,25 @@ def test_device_array_after_its_device_closed(layer):
 
 # ------------------------------------------------------------------------------------ poison kept
 @pytest.mark.parametrize("to_device", [False, True], ids=["numpy-out", "device-out"])
-def test_unwritten_output_is_nan(device, ops, layer, to_device):
-    """A forward that writes nothing leaves the output NaN, also after a real call filled the buffer."""
+@pytest.mark.parametrize("bind", [False, True], ids=["copied", "bound"])
+def test_unwritten_output_is_nan(device, ops, layer, to_device, bind):
+    """A forward that writes nothing leaves the output NaN, also after a real call filled the buffer; so does
+    one whose recording binds the caller's DeviceArrays in place of the io buffers (Exl3MoeMlp._binding)."""
+    if bind and not to_device:
+        pytest.skip("only a DeviceArray output is bound")
     moe = ops[0]
     call = layer.calls[0]
     x, ids, w = call["x"], call["selected"].astype(np.int32), call["weights"].astype(np.float32)
     m, top_k = ids.shape
     assert np.isfinite(moe(x, ids, w)).all()  # the output buffer now holds real values
     target = DeviceArray.empty(device, (m, moe.H), np.float32) if to_device else None
+    if bind:
+        assert moe(x, ids, w, out=target) is target and np.isfinite(target.numpy()).all()
     writes_nothing = SimpleNamespace(key="writes-nothing", reads_status=False, check=lambda scratch: 0,
                                      record=lambda rec, scratch, buffers: rec.barrier())
     with moe._call_lock:
-        out = moe._run_path(writes_nothing, x, ids, w, m, top_k, target=target).out
+        out = moe._run_path(writes_nothing, x, ids, w, m, top_k, target=target,
+                            bound=(None, target.buffer) if bind else None).out
     if to_device:
         assert out is None
         out = target.numpy()

@@ -40,6 +40,11 @@ _F16, _F32, _I32 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.int32
 _WEIGHT_DTYPES = frozenset(map(np.dtype, (np.float16, np.float32, np.float64)))
 POISON_F32 = 0x7FC00000  # a quiet NaN: an output element the kernels forget to write shows up in every test
 STATUS_BYTES = 16       # after the (m, H) output in the readback buffer: the persistent launch's abort word
+# DeviceArrays a call passes again (its hidden, its out) are bound in a recording of their own instead of copied
+# to and from the io buffers (_binding): at most this many such recordings per (shape, path), the oldest evicted,
+# and the pairs of arrays seen once remembered up to BOUND_SEEN (a fresh array per call, e.g. out="device"
+# chained into the next op, stays on the copies: recording per call would cost more than they do).
+BOUND_RECORDINGS, BOUND_SEEN = 4, 32
 
 
 class MoePush(PushConstants):
@@ -400,7 +405,8 @@ class Exl3MoeMlp:
         # used, plus those pinned by record() (_scratch_for evicts, in place: the finalizer holds these dicts).
         self._scratch = OrderedDict()
         self._io = {}
-        self._recorded = {}   # (m, top_k, path key) -> _Recording
+        self._recorded = {}   # (m, top_k, path key[, hidden Buffer, out Buffer]) -> _Recording (the last two: bound)
+        self._bound_seen = OrderedDict()  # (m, top_k, hidden Buffer, out Buffer) a call used, oldest first
         # (m, top_k, dispatch argument: None or a mode) -> _CallPlan. Not a resource the finalizer frees: its
         # paths reference the layer (close() and _evict_shapes drop plans with what they use).
         self._plans = {}
@@ -725,7 +731,8 @@ class Exl3MoeMlp:
             return result if dtype is _F32 else result.astype(dtype, copy=False)
         target = resolve_out(out, self.device, (m, self.H), _F32)
         try:
-            self._forward(hidden, expert_ids, expert_weights, dispatch, check=True, target=target)
+            self._forward(hidden, expert_ids, expert_weights, dispatch, check=True, target=target,
+                          bind_target=target is out)
         except BaseException:
             if target is not out:
                 target.close()
@@ -744,10 +751,11 @@ class Exl3MoeMlp:
             self._forward(hidden, ids, weights, dispatch)
             return self._scratch_for(m, top_k).rows.download(np.float32, (m, top_k, self.H))
 
-    def _forward(self, hidden, ids, weights, dispatch, check=False, target=None):
+    def _forward(self, hidden, ids, weights, dispatch, check=False, target=None, bind_target=False):
         """Run inputs whose shapes and dtypes are checked in the resolved dispatch mode; check=True: the routing
         values are checked too (check_op_routing, as they are written: _submit), else ids outside [0, E) are
-        skipped on the device. target: None (returns the output as numpy) or the DeviceArray it goes to."""
+        skipped on the device. target: None (returns the output as numpy) or the DeviceArray it goes to;
+        bind_target: the caller's own array, which may be bound in place of the output buffer (_binding)."""
         m, top_k = ids.shape
         arg = self._dispatch_key(dispatch)
         if m == 0:
@@ -757,7 +765,9 @@ class Exl3MoeMlp:
         # (_submit writes the inputs into the mapped input buffers, converting ids to int32, weights to float32)
         with self._call_lock:  # the shape's scratch stays (no eviction) until its last use in _launch_locked
             start = time.perf_counter()  # (last_run's wall_ms counts the planning, as it counted the decision)
-            return self._launch_locked(self._plan_locked(m, top_k, arg), hidden, ids, weights, check, target, start)
+            plan = self._plan_locked(m, top_k, arg)
+            bound = self._binding(plan.shape, hidden, target if bind_target else None)
+            return self._launch_locked(plan, hidden, ids, weights, check, target, start, bound)
 
     def _dispatch_key(self, dispatch):
         """A call's dispatch argument as its plans are keyed: None (VKMOE_DISPATCH, read when planning) or the
@@ -785,12 +795,33 @@ class Exl3MoeMlp:
         plan = self._plans[(m, top_k, arg)] = _CallPlan((m, top_k), requested, scratch, decision, path, stamp)
         return plan
 
-    def _launch_locked(self, plan, hidden, ids, weights, check, target, start):
+    def _binding(self, shape, hidden, target):
+        """(hidden Buffer or None, out Buffer or None): the DeviceArrays of a call to bind in its recording, or None
+        (the io buffers, DeviceArrays copied). Bound from a pair's second call on (BOUND_SEEN)."""
+        h = hidden.buffer if isinstance(hidden, DeviceArray) else None
+        o = target.buffer if target is not None else None
+        if h is None and o is None:
+            return None
+        key = (*shape, h, o)
+        seen = self._bound_seen
+        if key in seen:
+            seen.move_to_end(key)
+            return h, o
+        seen[key] = True
+        if len(seen) > BOUND_SEEN:
+            seen.popitem(last=False)
+        return None
+
+    def _launch_locked(self, plan, hidden, ids, weights, check, target, start, bound=None):
         """Run a call as `plan` says; a persistent launch that aborted (a bounded spin ran out) is re-run split on
-        the same inputs. Sets last_run (its wall time from `start`, a perf_counter()); returns the output."""
-        recording = plan.recording
-        if recording is None:
-            recording = plan.recording = self._recording(plan.shape, plan.path)
+        the same inputs. Sets last_run (its wall time from `start`, a perf_counter()); returns the output.
+        bound: the call's DeviceArray buffers to bind (_binding), or None."""
+        if bound is not None:
+            recording = self._recording(plan.shape, plan.path, bound)
+        else:
+            recording = plan.recording
+            if recording is None:
+                recording = plan.recording = self._recording(plan.shape, plan.path)
         out = self._submit(recording, plan.path, hidden, ids, weights, check, target)
         decision, fallback = plan.decision, None
         mode = decision.mode
@@ -801,7 +832,7 @@ class Exl3MoeMlp:
                 fallback = (f"persistent launch aborted ({why}; grid {decision.plan.workgroups} from "
                             f"{decision.plan.source}): re-ran in split mode")
                 plan.scratch.reset_sync()
-                recording, mode = self._recording(plan.shape, self._split_path), "split"
+                recording, mode = self._recording(plan.shape, self._split_path, bound), "split"
                 out = self._submit(recording, self._split_path, hidden, ids, weights, check, target)
         elif plan.requested == "persistent":  # a request not honoured; an ordinary auto decision is only `reason`
             fallback = decision.reason
@@ -829,14 +860,19 @@ class Exl3MoeMlp:
                 kinds=["upload", "upload", "upload", "readback"]))
         return io
 
-    def _recording(self, shape, path):
+    def _recording(self, shape, path, bound=None):
         """The _Recording of `path` for batch shape (m, top_k), recorded on first use (the caller holds the call
         lock): the output poisoned with NaN first (an element no stage writes stays NaN), the path's commands,
-        and for a path that reads_status the sync area's abort word copied behind the output."""
-        key = (*shape, path.key)
+        and for a path that reads_status the sync area's abort word copied behind the output. bound: the
+        (hidden, out) Buffers (either may be None) it binds in place of the io buffers (_binding)."""
+        key = (*shape, path.key) if bound is None else (*shape, path.key, *bound)
         recording = self._recorded.get(key)
         if recording is None:
-            recording = self._recorded[key] = self._record_run(*shape, path.record, path.reads_status)
+            if bound is not None:  # the oldest recordings of other arrays for this shape and path go first
+                older = [k for k in self._recorded if len(k) > 3 and k[:3] == key[:3]]
+                for k in older[:max(0, len(older) - (BOUND_RECORDINGS - 1))]:
+                    self._recorded.pop(k).close()
+            recording = self._recorded[key] = self._record_run(*shape, path.record, path.reads_status, bound)
         return recording
 
     def _submit(self, recording, path, hidden, ids, weights, check, target=None):
@@ -856,18 +892,21 @@ class Exl3MoeMlp:
             recording.scratch.last_status = call.status_word() if path.reads_status else 0
         return out
 
-    def _record_run(self, m, top_k, record_body, status):
+    def _record_run(self, m, top_k, record_body, status, bound=None):
         """_recording's recording: the output poisoned with NaN, record_body's commands between two timestamps, the
-        abort word copied behind the output (status=True), a host barrier."""
+        abort word copied behind the io output (status=True), a host barrier. bound: (hidden, out) Buffers bound
+        in place of the io ones (None entries: the io ones)."""
         hb, ib, wb, ob = self._io_for(m, top_k)
+        hidden_buf, out_buf = (bound[0] or hb, bound[1] or ob) if bound is not None else (hb, ob)
         scratch = self._scratch_for(m, top_k)
         rec = CommandRecorder(self.device, timestamps=2)
         try:
             rec.begin()
-            rec.fill(ob, POISON_F32)  # an element no stage writes stays NaN
+            # an element no stage writes stays NaN (a caller's array: its own bytes only; it may sit in a bigger buffer)
+            rec.fill(out_buf, POISON_F32, nbytes=None if out_buf is ob else m * self.H * 4)
             rec.barrier()
             rec.timestamp()
-            sets = record_body(rec, scratch, self._bindings(scratch, hb, ib, wb, ob))
+            sets = record_body(rec, scratch, self._bindings(scratch, hidden_buf, ib, wb, out_buf))
             rec.timestamp()
             if status:  # record_body ended with a barrier: the kernel's abort word is final
                 rec.copy(scratch.sync, ob, 4, dst_offset=m * self.H * 4)
@@ -879,13 +918,15 @@ class Exl3MoeMlp:
         # The routing rules as C checks them (check_op_routing's: ids in [0, E), no expert twice in a row,
         # weights finite in float32)
         call = RecordedCall(rec, [(hb, _F16, (m, self.H)), (ib, _I32, (m, top_k), IndexRule(self.E, top_k)),
-                                  (wb, _F32, (m, top_k), BoundedRule(F32_MAX))], (ob, _F32, (m, self.H)))
+                                  (wb, _F32, (m, top_k), BoundedRule(F32_MAX))], (ob, _F32, (m, self.H)),
+                            bound_inputs=(0,) if bound is not None and bound[0] is not None else (),
+                            bound_output=bound is not None and bound[1] is not None)
         # record_body returns the descriptor sets it bound (None: none to free with the recording)
         return _Recording(rec, sets or (), scratch, call)
 
-    def _run_path(self, path, hidden, ids, weights, m, top_k, check=False, target=None):
-        """Run `path` once (the caller holds the call lock); returns a RunResult."""
-        recording = self._recording((m, top_k), path)
+    def _run_path(self, path, hidden, ids, weights, m, top_k, check=False, target=None, bound=None):
+        """Run `path` once (the caller holds the call lock); returns a RunResult. bound: as _recording's."""
+        recording = self._recording((m, top_k), path, bound)
         out = self._submit(recording, path, hidden, ids, weights, check, target)
         rec = recording.rec
         return RunResult(out, (rec, rec.submissions), path.check(recording.scratch))

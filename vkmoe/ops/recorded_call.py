@@ -7,7 +7,8 @@ VKMOE_NATIVE_CALL is not 0), the native call path (vkmoe.vk.fastcall) does the c
 wait in two C calls. Otherwise, and always for a recording's first submission (which may include the driver's
 lazy shader compile and gets the compile bound, CallTransfers.submit), numpy views of the mapped buffers and
 CommandRecorder.submit_held. DeviceArray inputs and outputs are copied on the device by CallTransfers' riders in
-the same submission on both paths.
+the same submission on both paths, except those the recording binds itself (bound_inputs, bound_output: the
+MoE's recordings for arrays a caller passes again, Exl3MoeMlp._binding), which need no copy at all.
 """
 import math
 
@@ -25,8 +26,11 @@ class RecordedCall:
     check that input's values in C: see run's `check`), `output` (Buffer, dtype, shape) that the host reads
     (mapped readback memory), optionally followed by a status word."""
 
-    def __init__(self, rec, inputs, output):
+    def __init__(self, rec, inputs, output, bound_inputs=(), bound_output=False):
+        """bound_inputs: the input slots whose DeviceArray the recording binds itself (the call passes that array
+        and nothing is copied); bound_output: likewise the output (the call's target)."""
         self.rec, self.inputs, self.output = rec, list(inputs), output
+        self.bound_inputs, self.bound_output = frozenset(bound_inputs), bound_output
         self._status_offset = math.prod(output[2]) * np.dtype(output[1]).itemsize
         self._native = None  # the fastcall.NativeCall, made at the first call that takes that path
 
@@ -39,16 +43,18 @@ class RecordedCall:
         check: None, or the op's check of the inputs' values, check(arrays), raising on bad input before
         anything is written or submitted: the Python path runs it, the native path checks the inputs' rules in C
         instead and runs it only where C cannot decide (NativeCall.run)."""
-        copies_in = [(a.buffer, spec[0], a.nbytes) for a, spec in zip(arrays, self.inputs)
-                     if isinstance(a, DeviceArray)] if DeviceArray in map(type, arrays) else ()
-        copies_out = [(self.output[0], target.buffer, target.nbytes)] if target is not None else ()
+        on_device = DeviceArray in map(type, arrays)
+        copies_in = [(a.buffer, spec[0], a.nbytes) for i, (a, spec) in enumerate(zip(arrays, self.inputs))
+                     if isinstance(a, DeviceArray) and i not in self.bound_inputs] if on_device else ()
+        copies_out = [(self.output[0], target.buffer, target.nbytes)] \
+            if target is not None and not self.bound_output else ()
         rec = self.rec
         if rec.submissions and fastcall.enabled():
             native = self._native
             if native is None:
                 native = self._native = fastcall.NativeCall(rec, self.inputs, self.output)
             before, after = transfers.riders(copies_in, copies_out) if copies_in or copies_out else ((), ())
-            if copies_in:
+            if on_device:  # (written on the device: by the copies or in place)
                 arrays = [None if isinstance(a, DeviceArray) else a for a in arrays]
             return native.run(arrays, None if target is not None else out_dtype, before, after, check)
         if check is not None:
