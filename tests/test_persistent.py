@@ -308,7 +308,11 @@ def test_discovery_measures_the_pipeline_itself(device, layers, tmp_path, monkey
     measured = moe.co_resident(plan)
     assert measured["launched"] == occupancy.launch_size(device) > measured["min"] >= 1
     if device.is_lavapipe:
-        assert measured["min"] == device.compute_units, measured
+        # Every sample finds at most the worker threads and typically all of them. The minimum, which the plan
+        # launches (conservative by design), may be lower when the OS keeps a worker off the cores while the
+        # discovery polls: a cold CI run of three test processes on two cores measured samples 2, 2, 1.
+        assert max(measured["samples"]) <= device.compute_units, measured
+        assert measured["median"] == device.compute_units, measured
     moe(call["x"], call["selected"], call["weights"], dispatch="persistent")
     assert moe.last_run["mode"] == "persistent" and moe.last_run["workgroups"] == measured["min"]
     entries = json.load(open(tmp_path / "residency.json"))
