@@ -294,9 +294,8 @@ def test_plan_uses_the_pipelines_own_count(tmp_path, monkeypatch):
 
 
 def test_discovery_measures_the_pipeline_itself(device, layers, tmp_path, monkeypatch):
-    """The persistent pipeline's own discovery finds lavapipe's worker threads, the plan launches that many, and
-    the measurement is cached per pipeline (spec constants included) for the next process."""
-    monkeypatch.setenv("VKMOE_CACHE_DIR", str(tmp_path))
+    """The persistent pipeline's own discovery finds lavapipe's worker threads, the plan launches what it
+    measured, and the measurement is cached per pipeline (spec constants included) for the next process."""
     monkeypatch.delenv("VKMOE_PERSISTENT_GRID", raising=False)
     from vkmoe.sched import occupancy
 
@@ -304,18 +303,26 @@ def test_discovery_measures_the_pipeline_itself(device, layers, tmp_path, monkey
     call = L.calls[0]
     m, top_k = call["selected"].shape
     plan = moe._scratch_for(m, top_k).plan
-    occupancy._measured.clear()
-    measured = moe.co_resident(plan)
-    assert measured["launched"] == occupancy.launch_size(device) > measured["min"] >= 1
-    if device.is_lavapipe:
-        # Every sample finds at most the worker threads and typically all of them. The minimum, which the plan
-        # launches (conservative by design), may be lower when the OS keeps a worker off the cores while the
-        # discovery polls: a cold CI run of three test processes on two cores measured samples 2, 2, 1.
+    # No sample ever counts more workgroups than lavapipe has worker threads, and a measurement finds them all.
+    # Not every one does: while the OS keeps a worker off the cores the discovery polls without it (three test
+    # processes on two cores measured samples 2, 2, 1 and 1, 1, 2), and the minimum, which the plan launches, is
+    # conservative by design. So up to three measurements, each in a cache directory of its own.
+    for attempt in range(3):
+        cache = tmp_path / f"cache{attempt}"
+        monkeypatch.setenv("VKMOE_CACHE_DIR", str(cache))
+        occupancy._measured.clear()
+        measured = moe.co_resident(plan)
+        assert measured["launched"] == occupancy.launch_size(device) > measured["min"] >= 1
+        if not device.is_lavapipe:
+            break
         assert max(measured["samples"]) <= device.compute_units, measured
-        assert measured["median"] == device.compute_units, measured
+        if max(measured["samples"]) == device.compute_units:
+            break
+    else:
+        pytest.fail(f"three measurements never found lavapipe's {device.compute_units} worker threads: {measured}")
     moe(call["x"], call["selected"], call["weights"], dispatch="persistent")
     assert moe.last_run["mode"] == "persistent" and moe.last_run["workgroups"] == measured["min"]
-    entries = json.load(open(tmp_path / "residency.json"))
+    entries = json.load(open(cache / "residency.json"))
     (pipelines,) = [v["pipelines"]["entries"] for v in entries.values() if "pipelines" in v]
     (key,) = [k for k in pipelines if k.startswith("moe_persistent")]
     assert f"4={plan.rows}" in key and pipelines[key]["min"] == measured["min"]
