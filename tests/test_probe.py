@@ -35,9 +35,18 @@ def _is_lavapipe():
 def test_finds_worker_threads(threads, tmp_path):
     if not _is_lavapipe():
         pytest.skip("the worker-thread count is lavapipe's")
-    out = _probe_cli("--json", "--no-cache", "--repeats", "3", threads=threads, cache_dir=tmp_path)
-    assert out.returncode in (0, 3), out.stderr[-3000:]
-    report = json.loads(out.stdout)
+    # Up to three probes until one finds every worker and times no barrier out: with more worker threads than cores
+    # and other test processes busy beside it, a worker the OS keeps off the cores can miss a discovery's poll or
+    # outlast a barrier's spin (a warm three-process run on this 2-core machine counted 3 barrier timeouts at 3
+    # threads).
+    for _ in range(3):
+        out = _probe_cli("--json", "--no-cache", "--repeats", "3", threads=threads, cache_dir=tmp_path)
+        assert out.returncode in (0, 3), out.stderr[-3000:]
+        report = json.loads(out.stdout)
+        assert report["litmus_violations"] == 0  # (never load: a message seen without its data, on any attempt)
+        if (out.returncode == 0 and report["barrier_timeouts"] == 0
+                and all(v["co_resident"]["min"] == threads for v in report["variants"])):
+            break
     assert report["device"]["compute_units"] == threads
     for v in report["variants"]:
         assert v["co_resident"]["min"] == threads, v["co_resident"]
