@@ -46,18 +46,18 @@ uvec4 gemm_b_word4(int src, uint index) {
 layout(std430, binding = 16) nonprivate buffer PartialClock { uint clock_words[]; };
 uint moe_clock_base();  // (defined below partial_rows)
 uint moe_clock_gate_up_items = 0u, moe_clock_down_items = 0u, moe_clock_waits = 0u, moe_clock_wait_ns = 0u;
+uint moe_clock_at(uint word) { return moe_clock_base() + gl_WorkGroupID.x * CLOCK_WORDS_PER_WG + word; }
 void moe_clock_put(uint word, uvec2 v) {
     if (gl_LocalInvocationIndex == 0u) {
-        uint b = moe_clock_base() + gl_WorkGroupID.x * CLOCK_WORDS_PER_WG + word;
-        clock_words[b] = v.x;
-        clock_words[b + 1u] = v.y;
+        clock_words[moe_clock_at(word)] = v.x;
+        clock_words[moe_clock_at(word + 1u)] = v.y;
     }
 }
 void moe_clock_mark(uint mark) { moe_clock_put(2u * mark, clockRealtime2x32EXT()); }
 // The launch's start: this workgroup's other words cleared, so a mark it never reaches reads 0.
 void moe_clock_start() {
     uint tid = gl_LocalInvocationIndex;
-    if (tid >= 2u && tid < CLOCK_WORDS_PER_WG) clock_words[moe_clock_base() + gl_WorkGroupID.x * CLOCK_WORDS_PER_WG + tid] = 0u;
+    if (tid >= 2u && tid < CLOCK_WORDS_PER_WG) clock_words[moe_clock_at(tid)] = 0u;
     moe_clock_mark(CLOCK_START);
 }
 #define MOE_CLOCK_START() moe_clock_start()

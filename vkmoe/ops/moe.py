@@ -334,7 +334,7 @@ class Exl3MoeMlp:
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
         self.activation, self.gated = activation, activation != "relu2"
-        _clock_requested(device)  # before any weight reaches the device
+        clock = _clock_requested(device)  # before any weight reaches the device
         if not self.gated and gate is not None:
             raise ValueError("activation 'relu2' is gateless: pass gate=None")
         if self.gated and gate is None:
@@ -369,7 +369,7 @@ class Exl3MoeMlp:
                                  f"bytes, more than this device's maxStorageBufferRange ({limit})")
         self._setup(device, codebooks.pop(), E, H, I,
                     _Projection(device, gate) if gate is not None else None,
-                    _Projection(device, up), _Projection(device, down))
+                    _Projection(device, up), _Projection(device, down), clock)
 
     @classmethod
     def from_projections(cls, device, codebook, gate, up, down, activation="silu", act_limit=0.0, dispatch=None):
@@ -384,12 +384,12 @@ class Exl3MoeMlp:
         self.act_limit = float(act_limit)
         parse_dispatch(dispatch)
         self._dispatch_arg = dispatch
-        self._setup(device, codebook, up.E, up.k, up.n, gate, up, down)
+        self._setup(device, codebook, up.E, up.k, up.n, gate, up, down, _clock_requested(device))
         return self
 
-    def _setup(self, device, codebook, E, H, I, gate, up, down):
+    def _setup(self, device, codebook, E, H, I, gate, up, down, clock):
         self.device = device
-        self.clock = _clock_requested(device)  # the timing build (__init__ checked it before uploading weights)
+        self.clock = clock  # the persistent kernel's timing build (_clock_requested)
         self.E, self.H, self.I = E, H, I
         # The experts the GEMM plans assume: the whole layer's for a shard of it (vkmoe.ops.sharded), so that a
         # shard's k-splits, hence its bits, are those of the whole layer.
@@ -879,8 +879,8 @@ class Exl3MoeMlp:
         """Write the inputs, submit `recording` (of `path`) ONCE, wait; returns the output (None where it goes to
         the DeviceArray `target`) and leaves the abort word in the scratch's last_status. The caller holds the
         call lock (one forward at a time per layer: the io and scratch buffers are per layer).
-        hidden may be a DeviceArray, and so may the output: their copies are recorded per call and ride on the
-        same submission (CallTransfers). ids and weights: any integer / float arrays of shape (m, top_k), written
+        hidden may be a DeviceArray, and so may the output: copied by recorded copies riding on the same
+        submission (CallTransfers), or bound in `recording` itself (_binding). ids and weights: any integer / float arrays of shape (m, top_k), written
         as int32 / float32. check=True: their values are checked first (check_op_routing; the native path does it
         in C as it copies them)."""
         call = recording.call
@@ -897,7 +897,9 @@ class Exl3MoeMlp:
         abort word copied behind the io output (status=True), a host barrier. bound: (hidden, out) Buffers bound
         in place of the io ones (None entries: the io ones)."""
         hb, ib, wb, ob = self._io_for(m, top_k)
-        hidden_buf, out_buf = (bound[0] or hb, bound[1] or ob) if bound is not None else (hb, ob)
+        bound_hidden, bound_out = bound if bound is not None else (None, None)
+        hidden_buf = hb if bound_hidden is None else bound_hidden
+        out_buf = ob if bound_out is None else bound_out
         scratch = self._scratch_for(m, top_k)
         rec = CommandRecorder(self.device, timestamps=2)
         try:
@@ -919,8 +921,7 @@ class Exl3MoeMlp:
         # weights finite in float32)
         call = RecordedCall(rec, [(hb, _F16, (m, self.H)), (ib, _I32, (m, top_k), IndexRule(self.E, top_k)),
                                   (wb, _F32, (m, top_k), BoundedRule(F32_MAX))], (ob, _F32, (m, self.H)),
-                            bound_inputs=(0,) if bound is not None and bound[0] is not None else (),
-                            bound_output=bound is not None and bound[1] is not None)
+                            bound_inputs=() if bound_hidden is None else (0,), bound_output=bound_out is not None)
         # record_body returns the descriptor sets it bound (None: none to free with the recording)
         return _Recording(rec, sets or (), scratch, call)
 
