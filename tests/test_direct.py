@@ -103,9 +103,13 @@ def test_direct_mode_skips_bad_ids_and_zeroes_tokens_without_a_valid_expert(devi
         assert direct.last_run["plan"]["direct"] and not routed.last_run["plan"]["direct"]
         want = _record_run(device, routed, x, ids, w, "split")
         assert np.all(want[0] == 0.0) and np.isfinite(want).all()
-        for mode in ("split", "persistent"):
+        # twice persistent: the slots without an expert take their next item's ticket without an arrival, and the
+        # counters they leave must still be back to 0 for the second launch (and after it)
+        for mode in ("split", "persistent", "persistent"):
             got = _record_run(device, direct, x, ids, w, mode)
             assert np.array_equal(_bits(got), _bits(want)), mode
+        words = direct._scratch_for(*ids.shape).sync.download(np.uint32)
+        assert not words.any(), np.nonzero(words)[0][:24]
     finally:
         routed.close()
         direct.close()

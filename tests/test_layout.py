@@ -134,7 +134,11 @@ def test_sizes_and_grids():
     R = 15
     size = layout.scratch_bytes(Plan, H, I)
     assert size["route"] == 4 * (16 + 3 * 9 + 2 * R + 5)
-    assert size["sync"] == 4 * (16 + 9 * 2 + 9 * 3 + 5 * 3 + 9)  # + per-chunk progress (persistent)
+    # header (3 lines: polled words, the ticket, the routed phase count), band and token arrivals, per-chunk
+    # progress (persistent); then, from the next 128-byte line on, per-chunk user counts (persistent)
+    progress_end = 96 + 9 * 2 + 9 * 3 + 5 * 3 + 9
+    assert progress_end == 165 and layout.chunk_users_word(5, 9, H, I) == 192
+    assert size["sync"] == 4 * (192 + 9)
     assert size["partial"] == 4 * (2 * 2 * R * I + 3 * R * H)     # gate/up partials, then down partials
     route, gate_up, down = layout.split_grids(Plan, H, I, gated=True)
     assert route == (1 + layout.ceil_div(R * 3, layout.STAGE1_PAIRS_PER_ITEM), 1)

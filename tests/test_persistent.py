@@ -61,20 +61,26 @@ def test_golden_persistent_bit_identical_to_split(layers, path):
         assert rel < 3e-3
 
 
-def test_scheduler_state_resets_itself_over_100_launches(layers):
-    L, moe = layers(golden_files()[0])
-    call = L.calls[0]
-    expected = moe(call["x"], call["selected"], call["weights"], dispatch="split")
-    m, top_k = call["selected"].shape
-    sync = moe._scratch_for(m, top_k).sync
-    for _ in range(100):
-        out = moe(call["x"], call["selected"], call["weights"], dispatch="persistent")
-        assert moe.last_run["mode"] == "persistent"
-    assert np.array_equal(_bits(out), _bits(expected))
-    words = sync.download(np.uint32)
-    # abort flag, retired count, routing flag, stage-1 count, every arrival counter and every chunk's progress
-    # counter are back to 0 (the last workgroup out resets the persistent ones)
-    assert not words.any(), np.nonzero(words)[0][:24]
+@pytest.mark.parametrize("direct", ["on", "off"])
+def test_scheduler_state_resets_itself_over_100_launches(device, monkeypatch, direct):
+    """Tickets, chunk progress and (routed) the routing flag, stage-1 count and phase count are reset by their
+    last users, with no end-of-launch step: after 100 launches of either mode every sync word is 0 again."""
+    monkeypatch.setenv("VKMOE_MOE_DIRECT", direct)  # read when the layer plans a batch shape: a layer of its own
+    L = load_layer(golden_files()[0])
+    with vkmoe.Exl3MoeMlp(device, L.gate, L.up, L.down, activation=L.activation, act_limit=L.act_limit) as moe:
+        call = L.calls[0]
+        expected = moe(call["x"], call["selected"], call["weights"], dispatch="split")
+        m, top_k = call["selected"].shape
+        sync = moe._scratch_for(m, top_k).sync
+        for _ in range(100):
+            out = moe(call["x"], call["selected"], call["weights"], dispatch="persistent")
+            assert moe.last_run["mode"] == "persistent"
+        assert np.array_equal(_bits(out), _bits(expected))
+        assert moe.last_run["plan"]["direct"] is (direct == "on")
+        words = sync.download(np.uint32)
+        # abort flag, ticket counter, routing flag, stage-1 count, every arrival counter, every chunk's progress
+        # counter and user count are back to 0
+        assert not words.any(), np.nonzero(words)[0][:24]
 
 
 def test_routed_launches_wait_without_running_out_of_spins(device, monkeypatch):

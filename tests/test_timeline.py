@@ -46,8 +46,8 @@ def test_timing_build_gives_the_same_bits_and_ordered_marks(device, golden, monk
         assert t.workgroups == timed.last_run["workgroups"]
         us = t.us
         assert np.nanmin(us["start"]) == 0.0 and np.isfinite(us["start"]).all()
-        # every workgroup ends both loops and retires, in that order
-        for earlier, later in (("start", "gate_up_done"), ("gate_up_done", "down_done"), ("down_done", "retired")):
+        # every workgroup ends both phases and then itself, in that order
+        for earlier, later in (("start", "gate_up_done"), ("gate_up_done", "down_done"), ("down_done", "end")):
             assert np.isfinite(us[later]).all(), later
             assert (us[earlier] <= us[later]).all(), (earlier, later)
         # a first item's GEMM ends before its arrival, and its tail, where it was its band's last arrival, after it
@@ -61,8 +61,8 @@ def test_timing_build_gives_the_same_bits_and_ordered_marks(device, golden, monk
             assert not (tails & ~ran).any(), tail
         summary = t.summary()
         assert set(summary) == set(layout.CLOCK_MARKS) | {"waits"}
-        assert summary["retired"]["reached"] == t.workgroups
-        assert summary["retired"]["last"] >= summary["down_done"]["median"] >= summary["start"]["median"]
+        assert summary["end"]["reached"] == t.workgroups
+        assert summary["end"]["last"] >= summary["down_done"]["median"] >= summary["start"]["median"]
     finally:
         plain.close()
         timed.close()

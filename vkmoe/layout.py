@@ -65,21 +65,27 @@ MOE_ROWS_MAX = 16
 
 # ------------------------------------------------------------------------------------ sync buffer (words)
 # Counters reset themselves; the host zero-fills once at creation and again only after an aborted launch.
+# The persistent kernel's counters are polled by spinning workgroups; the words its workgroups only add to (the
+# ticket, the user counts that say when a polled counter can be reset) lie in other 128-byte lines (SYNC_LINE),
+# so that their atomics do not queue behind the polls of a hot line.
+SYNC_LINE = 32         # words per 128-byte line
 SYNC_ABORT = 0         # abort code (ABORT_*)
-SYNC_RETIRED = 1       # persistent: workgroups done (the last one resets the persistent counters)
 SYNC_ROUTED = 2        # persistent: 1 once workgroup 0 has written the chunk table
 SYNC_STAGE1_DONE = 3   # persistent: workgroups done with their share of routing + stage 1
-SYNC_COUNTERS = 16     # arrival counters: gate/up bands, down bands, token bands; then per-chunk progress
+SYNC_TICKET = 32       # persistent: work items handed out after the first round (item = grid + ticket)
+SYNC_PHASE1_USERS = 64  # persistent, routed: workgroups done with SYNC_ROUTED and SYNC_STAGE1_DONE
+SYNC_COUNTERS = 96     # arrival counters: gate/up bands, down bands, token bands; then per-chunk progress
 
 # The persistent kernel's timing build (moe_persistent.comp with MOE_CLOCK; VKMOE_PERSISTENT_CLOCK, tools/bench_moe
 # --timeline): invocation 0 of each workgroup stores the device's realtime clock (VK_KHR_shader_clock, 64 bits as
 # two words) at these marks, in CLOCK_WORDS_PER_WG words per workgroup behind both GEMMs' partials (clock_offset);
 # a mark the workgroup never reached reads 0. "first_*" marks are those of the workgroup's first item of that
 # stage; the tails' marks only where that item was its band's last arrival. Then two words: the number of the
-# workgroup's dependency waits that spun, and their total time (ns, low 32 bits).
+# workgroup's dependency waits that spun, and their total time (ns, low 32 bits). "gate_up_done": the workgroup
+# has no gate/up item left (its next item is a down item, or none); "end": its last store, counter resets included.
 CLOCK_MARKS = ("start", "first_gate_up_gemm", "first_gate_up_arrival", "first_stage3_end", "gate_up_done",
                "first_wait_begin", "first_wait_end", "first_down_gemm", "first_down_arrival", "first_stage5_end",
-               "down_done", "retired")
+               "down_done", "end")
 CLOCK_WAITS = 2 * len(CLOCK_MARKS)      # word: waits that spun; + 1: their total ns
 CLOCK_WORDS_PER_WG = 32
 CLOCK_MAX_WORKGROUPS = 8192             # the timing area's size: grids up to this many workgroups
@@ -145,9 +151,17 @@ def route_words(m, top_k, max_chunks):
 
 def sync_words(m, max_chunks, H, I):
     # header, gate/up band arrivals, down band arrivals, token band arrivals, per-chunk gate/up progress
-    # (counters_chunk_done in moe_bindings.glsl: I-bands through stage 3, what a persistent down item waits for)
-    return (SYNC_COUNTERS + max_chunks * (I // BAND) + max_chunks * (H // BAND) + m * (H // BAND)
-            + max_chunks)
+    # (counters_chunk_done in moe_bindings.glsl: I-bands through stage 3, what a persistent down item waits for),
+    # then from the next line on per chunk the down items past their wait (counters_chunk_users)
+    return chunk_users_word(m, max_chunks, H, I) + max_chunks
+
+
+def chunk_users_word(m, max_chunks, H, I):
+    """First word of the per-chunk user counts (counters_chunk_users in moe_bindings.glsl): the line after the
+    per-chunk progress counters, which down items poll."""
+    progress_end = (SYNC_COUNTERS + max_chunks * (I // BAND) + max_chunks * (H // BAND) + m * (H // BAND)
+                    + max_chunks)
+    return -(-progress_end // SYNC_LINE) * SYNC_LINE
 
 
 def moe_partial_rows(plan):
@@ -264,7 +278,7 @@ def _defines():
     for name in ("SHARED_LANES", "SHARED_ROWS", "MAX_PASS_ROWS", "MAX_VALS", "IN_UNITS_PER_WG"):
         yield f"HAD_{name}", f"{globals()['HAD_' + name]}u"
     for name in ("COOP_ROWS_NARROW", "COOP_ROWS_WIDE", "COOP_KSTEP", "COOP_PAD", "COOP_MOE_ROW_SLACK", "COOP_MOE_ROWS",
-                 "MOE_ROWS_MAX", *(f"SYNC_{n}" for n in ("ABORT", "RETIRED", "ROUTED", "STAGE1_DONE", "COUNTERS")),
+                 "MOE_ROWS_MAX", *(f"SYNC_{n}" for n in ("LINE", "ABORT", "TICKET", "ROUTED", "STAGE1_DONE", "PHASE1_USERS", "COUNTERS")),
                  "MOE_MODE_RUN", "MOE_MODE_DISCOVER", "ROUTE_ROWS", "ROUTE_CHUNKS", "ROUTE_HEADER", "ROUTE_CHUNK_WORDS",
                  "STAGE1_PAIRS_PER_ITEM", "GEMM_RED_WORDS"):
         yield name, f"{globals()[name]}u"  # unsigned constants, under their own names

@@ -6,6 +6,8 @@
 // Includer: defines LAST_ARRIVAL_BUF (a uint[] lvalue in a nonprivate storage buffer) before including this;
 // for gemm_finish_partial also declares `partial[]` (fp32, nonprivate) and includes exl3_gemm.glsl first.
 // wg_last_arrival alone serves any workgroups that publish results for a last one (moe_router.comp).
+// Optional: LAST_ARRIVAL_ALSO(), a statement invocation 0 runs right after its arrival's atomic (it may write shared
+// memory, which the barrier after the arrival publishes).
 #ifndef LAST_ARRIVAL_GLSL
 #define LAST_ARRIVAL_GLSL
 
@@ -27,6 +29,11 @@ bool wg_last_arrival(uint counter, uint arrivals) {
     if (gl_LocalInvocationID.x == 0u) {
         uint arrived = atomicAdd(LAST_ARRIVAL_BUF[counter], 1u, gl_ScopeQueueFamily, gl_StorageSemanticsBuffer,
                                  gl_SemanticsAcquireRelease | gl_SemanticsMakeAvailable | gl_SemanticsMakeVisible);
+#ifdef LAST_ARRIVAL_ALSO
+        // The includer's own atomic (the persistent kernel takes its next work item's ticket), issued before the
+        // arrival's result is used: both round trips to memory overlap.
+        LAST_ARRIVAL_ALSO();
+#endif
         s_last[0] = uint(arrived == arrivals - 1u);
         if (s_last[0] != 0u)
             atomicStore(LAST_ARRIVAL_BUF[counter], 0u, gl_ScopeQueueFamily, gl_StorageSemanticsBuffer, gl_SemanticsRelaxed);

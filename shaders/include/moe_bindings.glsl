@@ -63,6 +63,8 @@ uint counters_gu() { return SYNC_COUNTERS; }                                   /
 uint counters_d() { return SYNC_COUNTERS + pc.max_chunks * (pc.I / BAND); }   // max_chunks * H/BAND
 uint counters_tok() { return counters_d() + pc.max_chunks * (pc.H / BAND); }  // m * H/BAND
 uint counters_chunk_done() { return counters_tok() + pc.m * (pc.H / BAND); }  // max_chunks: I-bands through stage 3
+// max_chunks: down items past their wait, from the next 128-byte line on (layout.chunk_users_word)
+uint counters_chunk_users() { return (counters_chunk_done() + pc.max_chunks + SYNC_LINE - 1u) / SYNC_LINE * SYNC_LINE; }
 
 uint R() { return pc.m * pc.top_k; }
 uint route_chunk(uint c) { return ROUTE_HEADER + ROUTE_CHUNK_WORDS * c; }

@@ -171,6 +171,21 @@ void moe_signal(uint word) {
     SYNC_WG_BARRIER();
     if (gl_LocalInvocationIndex == 0u) sync_add(word, 1u);
 }
+
+// The persistent counters reset themselves without an end-of-launch step in which workgroups wait for each other:
+// the items that wait for a counter are counted (once each is past its wait) on a user count of its own, in a line
+// nobody polls (layout.SYNC_LINE), and the last of them stores both back to 0: every signal was made before any
+// wait was satisfied, and every waiter has read the counter before it counts itself. Invocation 0 issues the add
+// (moe_users_begin) and checks what it returned later (moe_users_end), so the round trip overlaps other work.
+uint moe_users_begin(uint users_word) {
+    return gl_LocalInvocationIndex == 0u && !moe_launch_failed ? sync_add(users_word, 1u) : 0xFFFFFFFFu;
+}
+void moe_users_end(uint users_word, uint before, uint users, uint counter) {
+    if (gl_LocalInvocationIndex == 0u && before == users - 1u) {
+        sync_store_relaxed(counter, 0u);
+        sync_store_relaxed(users_word, 0u);
+    }
+}
 #endif
 
 #ifndef MOE_COOP
@@ -610,11 +625,19 @@ void moe_down(uint item) {
     moe_dep_target = pc.I / 128u;
 #endif
     gemm_accumulate(A_INTER, 2, K_DOWN, CB, nr, b_base, tiles_n, band, kt0, kt1);
+#ifdef MOE_DEPENDENCY_WAITS
+    // Past its wait (or a wait this workgroup already passed): one more of the chunk's down items is done with the
+    // chunk's progress counter.
+    uint dep_before = moe_users_begin(counters_chunk_users() + c);
+#endif
     // Direct mode counts every (slot, k-split) of the token's band on one counter (moe_stage5_token).
     uint arrivals = DIRECT ? moe_token_slots(t) * pc.splits_d : pc.splits_d;
     if (DIRECT) counter = counters_tok() + t * (pc.H / 128u) + band;
     MOE_CLOCK_FIRST_DOWN(CLOCK_FIRST_DOWN_GEMM);
     bool last = gemm_finish_partial(base, pc.H, p0, nr, band, counter, arrivals);
+#ifdef MOE_DEPENDENCY_WAITS
+    moe_users_end(counters_chunk_users() + c, dep_before, down_items_per_chunk(), counters_chunk_done() + c);
+#endif
     MOE_CLOCK_FIRST_DOWN(CLOCK_FIRST_DOWN_ARRIVAL);
 #endif
     if (last) {
