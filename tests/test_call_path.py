@@ -185,6 +185,56 @@ def test_arrays_passed_again_are_bound_not_copied(device, ops, layer):
             a.close()
 
 
+def test_linear_binds_arrays_passed_again(device, ops, layer, monkeypatch):
+    """Exl3Linear binds DeviceArrays passed again as the MoE does: bits of numpy calls over alternating arrays
+    (x bound with a numpy output, both bound), stale output never shows, at most BOUND_RECORDINGS recordings per
+    m, an output at the start of a bigger buffer keeps the bytes past it, a closed layer frees them all."""
+    from vkmoe.ops.device_array import BOUND_RECORDINGS
+
+    _, lin1, _ = ops
+    x = layer.calls[0]["x"]
+    m = x.shape[0]
+    xs = [x, (x.astype(np.float32) * 0.5).astype(np.float16)]
+    expect = [lin1(v) for v in xs]
+    assert not np.array_equal(expect[0], expect[1])
+    n = BOUND_RECORDINGS + 2
+    arrays = [DeviceArray.from_numpy(device, xs[i % 2]) for i in range(n)]
+    outs = [DeviceArray.empty(device, (m, lin1.n), np.float16) for _ in range(n)]
+    mine = {a.buffer for a in arrays + outs}  # (earlier tests of the module's layer bound arrays of their own)
+    bound_keys = lambda: [k for k in lin1._bound if k[0] == m and (k[1] in mine or k[2] in mine)]
+    try:
+        for rnd in range(3):
+            for i in range(n):
+                outs[i].buffer.upload(np.full((m, lin1.n), 7.0, np.float16))  # stale contents must be overwritten
+                assert lin1(arrays[i], out=outs[i]) is outs[i]
+                assert np.array_equal(outs[i].numpy(), expect[i % 2]), (rnd, i)
+                assert np.array_equal(lin1(arrays[i]), expect[i % 2]), (rnd, i)  # x bound, numpy out
+            assert len(bound_keys()) == (BOUND_RECORDINGS if rnd else 0), rnd  # bound from a second call on
+        assert any(k[1] is not None and k[2] is not None for k in bound_keys())
+        assert np.array_equal(lin1(xs[1]), expect[1])  # the io recording is still there
+        big = device.memory.allocate(m * lin1.n * 2 + 64)
+        big.upload(np.full(m * lin1.n + 32, 5.0, np.float16))
+        view = DeviceArray(big, (m, lin1.n), np.float16)
+        for _ in range(2):
+            assert np.array_equal(lin1(xs[0], out=view).numpy(), expect[0])
+        assert (big.download(np.float16)[m * lin1.n:] == 5.0).all()
+        big.close()
+        monkeypatch.setenv("VKMOE_SHAPE_CACHE", "1")
+        with vkmoe.Exl3Linear(device, lin1.tensor) as other:
+            for _ in range(2):
+                assert np.array_equal(other(arrays[0], out=outs[0]).numpy(), expect[0])
+            assert other._bound
+            other(x[:1])  # another m evicts m's io entry, and its bound recordings with it
+            assert not other._bound and list(other._io) == [1]
+            for _ in range(2):
+                assert np.array_equal(other(arrays[1], out=outs[1]).numpy(), expect[1])
+            assert other._bound
+        assert not other._bound and not other._io  # close() frees them
+    finally:
+        for a in arrays + outs:
+            a.close()
+
+
 def test_device_array_hidden_matches_golden(device, ops, layer):
     moe = ops[0]
     for call in layer.calls:
@@ -291,7 +341,7 @@ def test_device_array_after_its_device_closed(layer):
                          ids=["numpy-out", "device-out", "bound-device-out"])
 def test_unwritten_output_is_nan(device, ops, layer, to_device, bind):
     """A forward that writes nothing leaves the output NaN, also after a real call filled the buffer; so does
-    one whose recording binds the caller's DeviceArrays in place of the io buffers (Exl3MoeMlp._binding)."""
+    one whose recording binds the caller's DeviceArrays in place of the io buffers (device_array.RepeatedArrays)."""
     moe = ops[0]
     call = layer.calls[0]
     x, ids, w = call["x"], call["selected"].astype(np.int32), call["weights"].astype(np.float32)

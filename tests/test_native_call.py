@@ -70,8 +70,8 @@ def test_moe_matches_the_python_path(device, moe, layer, monkeypatch, dispatch):
             assert rel_rms(native, ref) < GOLDEN_TOL
         with DeviceArray.from_numpy(device, x) as xd:
             for out in (None, "device"):
-                # (an array passed again is bound in a recording of its own: Exl3MoeMlp._binding; that recording's
-                # first submission takes the Python path, as every recording's does)
+                # (an array passed again is bound in a recording of its own: device_array.RepeatedArrays; that
+                # recording's first submission takes the Python path, as every recording's does)
                 moe(xd, ids, w, dispatch=dispatch, out=out)
                 native, python = _both_paths(monkeypatch, lambda: _numpy(moe(xd, ids, w, dispatch=dispatch, out=out)))
                 assert np.array_equal(native, python) and np.array_equal(native, moe(x, ids, w, dispatch=dispatch))
@@ -113,6 +113,7 @@ def test_linear_matches_the_python_path(device, linear, monkeypatch, out_dtype):
         assert np.array_equal(native, python) and np.array_equal(native, linear(x, out_dtype=out_dtype))
         with DeviceArray.from_numpy(device, x) as xd:
             for out in (None, "device"):
+                linear(xd, out=out)  # (xd is bound from its second call on, in a recording of its own: see above)
                 native, python = _both_paths(monkeypatch, lambda: _numpy(linear(xd, out=out)))
                 assert np.array_equal(native, python) and np.array_equal(native, linear(x))
 

@@ -6,8 +6,12 @@
 
 An op that takes or returns DeviceArrays still runs its own recorded command buffer on its own input and output
 buffers: the copies from an input DeviceArray and into the output one are recorded per call into small command
-buffers that go into the SAME vkQueueSubmit as the op's (CallTransfers), so a call stays one submission.
+buffers that go into the SAME vkQueueSubmit as the op's (CallTransfers), so a call stays one submission. Arrays a
+caller passes again (the same input and/or output array as an earlier call of that shape) are bound instead, in a
+recording of their own, with no copies at all (RepeatedArrays).
 """
+from collections import OrderedDict
+
 import numpy as np
 
 from ..vk import CommandRecorder, DeviceClosedError, VkmoeError
@@ -148,6 +152,40 @@ def resolve_out(out, device, shape, dtype):
     if isinstance(out, DeviceArray):
         return out.check("out", device, shape, dtype)
     raise TypeError(f"out must be None, 'device' or a vkmoe DeviceArray, got {type(out).__name__}")
+
+
+# DeviceArrays a call passes again are bound in a recording of their own instead of copied to and from the io
+# buffers: at most BOUND_RECORDINGS such recordings per (shape, path), the oldest evicted, and the pairs of arrays
+# seen once remembered up to BOUND_SEEN (a fresh array per call, e.g. out="device" chained into the next op, stays
+# on the copies: a recording per call would cost more than they do).
+BOUND_RECORDINGS, BOUND_SEEN = 4, 32
+
+
+class RepeatedArrays:
+    """The (shape..., input Buffer, output Buffer) pairs of DeviceArrays an op's calls passed, oldest first
+    (Exl3MoeMlp, Exl3Linear). On the H200 a MoE call that copied them cost 13-16 us more than a numpy one;
+    bound, the same as a numpy one (BENCHMARKS.md, ninth session)."""
+
+    def __init__(self):
+        self._seen = OrderedDict()
+
+    def binding(self, shape, x, target):
+        """(input Buffer or None, output Buffer or None) to bind in the call's recording, or None (the io buffers,
+        DeviceArrays copied): bound from a pair's second call on. shape: a tuple; x: the call's input (a
+        DeviceArray or not); target: the DeviceArray the output goes to, or None."""
+        h = x.buffer if isinstance(x, DeviceArray) else None
+        o = target.buffer if target is not None else None
+        if h is None and o is None:
+            return None
+        key = (*shape, h, o)
+        seen = self._seen
+        if key in seen:
+            seen.move_to_end(key)
+            return h, o
+        seen[key] = True
+        if len(seen) > BOUND_SEEN:
+            seen.popitem(last=False)
+        return None
 
 
 class CallTransfers:

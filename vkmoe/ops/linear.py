@@ -12,7 +12,8 @@ from .. import knobs, layout
 from ..exl3 import Exl3Tensor
 from ..vk import CommandRecorder
 from . import kernels
-from .device_array import CallTransfers, DeviceArray, close_recording, last_gpu_ms, resolve_out
+from .device_array import (BOUND_RECORDINGS, CallTransfers, DeviceArray, RepeatedArrays, close_recording,
+                           last_gpu_ms, resolve_out)
 from .host_arrays import describe, host_array, out_dtype_of
 from .plan import gemm_plan
 from .recorded_call import RecordedCall
@@ -68,8 +69,11 @@ def _close_call(xb, yb, call, sets=()):
     close_recording(call.rec, sets, (xb, yb))
 
 
-def _release_linear(io, sets, scratch, owned):
+def _release_linear(io, sets, scratch, owned, bound):
     """Free a linear layer's device objects, emptying its containers in place (close() and the finalizer)."""
+    for call, call_sets in bound.values():  # (before the scratch their commands use)
+        close_recording(call.rec, call_sets)
+    bound.clear()
     for m, entry in io.items():
         _close_call(*entry, sets.pop(m, ()))
     for bufs in scratch.values():
@@ -107,12 +111,17 @@ class Exl3Linear:
         self._io = OrderedDict()
         self._sets = {}  # m -> the descriptor sets of _io[m]'s recording
         self._pinned = set()
+        # (m, x Buffer, y Buffer) -> (RecordedCall, descriptor sets): calls binding DeviceArrays a caller passed
+        # again (RepeatedArrays), least recently used first, at most BOUND_RECORDINGS per m; they go with _io[m]
+        self._bound = OrderedDict()
+        self._repeated = RepeatedArrays()
         self._call_lock = threading.RLock()  # one call at a time per layer; no eviction under a running one
         self._transfers = CallTransfers(device)  # DeviceArray copies riding on a call's one submission
         self._owned = [self._trellis, self._suh, self._svh, self._bias]
         self._last_submission = None  # (recorder, submission number) of the last call; last_gpu_time
         # A layer dropped without close() still frees its device memory (not at exit: the process does that).
-        weakref.finalize(self, _release_linear, self._io, self._sets, self._scratch, self._owned).atexit = False
+        weakref.finalize(self, _release_linear, self._io, self._sets, self._scratch, self._owned,
+                         self._bound).atexit = False
 
     # ---------------------------------------------------------------------------------------------- record
     def _scratch_for(self, m):
@@ -191,7 +200,8 @@ class Exl3Linear:
         """x: (m, k) float16 or float32: numpy, a CPU DLPack tensor, anything with __array__, or a DeviceArray
         (float16). out: None (return numpy of out_dtype: float16, what the op computes, or float32, the same
         values widened), "device" (return a new DeviceArray) or a DeviceArray (m, n) float16 to write and return.
-        One submission per call."""
+        One submission per call; DeviceArrays passed again (the same x and/or out as an earlier call of this m) are
+        bound in a recording of their own, with no copies (RepeatedArrays)."""
         dtype = out_dtype_of(out_dtype)
         x = _check_x(x, self.k, self.device)
         m = x.shape[0]
@@ -199,7 +209,7 @@ class Exl3Linear:
         if m == 0:
             return np.zeros((0, self.n), dtype) if target is None else target
         with self._call_lock:
-            call = self._call_buffers(m)[2]
+            call = self._call_for(m, self._repeated.binding((m,), x, target))
             # x and y are mapped: written and read under one hold of the device (a closed device's memory is
             # unmapped; close() waits for this block instead)
             with self.device.use():
@@ -221,6 +231,25 @@ class Exl3Linear:
 
     last_gpu_ms = last_gpu_ms  # device_array.last_gpu_ms: reads last_gpu_time when asked
 
+    def _call_for(self, m, bound):
+        """The RecordedCall of a call of m rows: the io one (bound None) or, for bound = (x Buffer or None, y Buffer
+        or None), one that binds those in place of the io buffers, recorded on first use (the caller holds the
+        call lock)."""
+        xb, yb, call = self._call_buffers(m)
+        if bound is None:
+            return call
+        key = (m, *bound)
+        entry = self._bound.get(key)
+        if entry is not None:
+            self._bound.move_to_end(key)
+            return entry[0]
+        older = [k for k in self._bound if k[0] == m]  # the least recently used of other arrays go first
+        for k in older[:max(0, len(older) - (BOUND_RECORDINGS - 1))]:
+            old_call, old_sets = self._bound.pop(k)
+            close_recording(old_call.rec, old_sets)
+        entry = self._bound[key] = self._record_call(m, xb, yb, bound)
+        return entry[0]
+
     def _call_buffers(self, m):
         """(x, y, RecordedCall) of __call__ for m rows: x where the host writes and the device reads it, y where
         the device writes and the host reads it (no staging copies), the forward recorded once."""
@@ -230,26 +259,42 @@ class Exl3Linear:
         # A server sees every m: the least recently used beyond VKMOE_SHAPE_CACHE go (called under the lock)
         while len(self._io) >= knobs.get("VKMOE_SHAPE_CACHE"):
             old, entry = self._io.popitem(last=False)
+            for key in [k for k in self._bound if k[0] == old]:  # (they use that m's io and scratch)
+                bound_call, bound_sets = self._bound.pop(key)
+                close_recording(bound_call.rec, bound_sets)
             _close_call(*entry, self._sets.pop(old, ()))
             for key in [k for k in self._scratch if k[0] == old and old not in self._pinned]:
                 for b in self._scratch.pop(key):
                     b.close()
         mem = self.device.memory
         xb, yb = mem.allocate_all([m * self.k * 2, m * self.n * 2], kinds=["upload", "readback"])
+        try:
+            call, sets = self._record_call(m, xb, yb)
+        except BaseException:  # a recording that failed (e.g. on a closed device) leaves nothing behind
+            xb.close()
+            yb.close()
+            raise
+        self._io[m], self._sets[m] = (xb, yb, call), sets
+        return self._io[m]
+
+    def _record_call(self, m, xb, yb, bound=None):
+        """(RecordedCall, descriptor sets) of the forward of m rows on the io buffers xb, yb; bound: (x Buffer or
+        None, y Buffer or None) bound in place of them (None entries: the io ones)."""
+        bound_x, bound_y = bound if bound is not None else (None, None)
         rec = CommandRecorder(self.device, timestamps=2)
         try:
             rec.begin()
             rec.timestamp()
-            sets = self._record(rec, xb, yb, m)
+            sets = self._record(rec, xb if bound_x is None else bound_x, yb if bound_y is None else bound_y, m)
             rec.timestamp()
             rec.host_barrier()
             rec.end()
-        except BaseException:  # a recording that failed (e.g. on a closed device) leaves nothing behind
-            close_recording(rec, (), (xb, yb))
+        except BaseException:
+            close_recording(rec)
             raise
-        call = RecordedCall(rec, [(xb, _F16, (m, self.k))], (yb, _F16, (m, self.n)))
-        self._io[m], self._sets[m] = (xb, yb, call), sets
-        return self._io[m]
+        call = RecordedCall(rec, [(xb, _F16, (m, self.k))], (yb, _F16, (m, self.n)),
+                            bound_inputs=() if bound_x is None else (0,), bound_output=bound_y is not None)
+        return call, sets
 
     def dequantize(self) -> np.ndarray:
         """The decoded (k, n) fp16 matrix Ŵ, computed by the GPU decoder (no scales applied)."""
@@ -273,7 +318,7 @@ class Exl3Linear:
         with self._call_lock:  # after a call running in another thread, never under it
             self.last_gpu_time  # noqa: B018 - made now: closing its recorder reads it (GpuTime)
             self._transfers.close()
-            _release_linear(self._io, self._sets, self._scratch, self._owned)
+            _release_linear(self._io, self._sets, self._scratch, self._owned, self._bound)
 
     def __enter__(self):
         return self

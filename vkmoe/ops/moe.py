@@ -23,7 +23,7 @@ from ..exl3.reference import F32_MAX, check_op_routing
 from ..vk import CommandRecorder, DeviceClosedError, GpuTime, PushConstants, TimeoutError, VkmoeError
 from ..vk.fastcall import BoundedRule, IndexRule
 from . import kernels
-from .device_array import CallTransfers, DeviceArray, resolve_out
+from .device_array import BOUND_RECORDINGS, CallTransfers, DeviceArray, RepeatedArrays, resolve_out
 from .host_arrays import describe, host_array, out_dtype_of
 from .plan import moe_plan
 from .recorded_call import RecordedCall
@@ -40,11 +40,6 @@ _F16, _F32, _I32 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.int32
 _WEIGHT_DTYPES = frozenset(map(np.dtype, (np.float16, np.float32, np.float64)))
 POISON_F32 = 0x7FC00000  # a quiet NaN: an output element the kernels forget to write shows up in every test
 STATUS_BYTES = 16       # after the (m, H) output in the readback buffer: the persistent launch's abort word
-# DeviceArrays a call passes again (its hidden, its out) are bound in a recording of their own instead of copied
-# to and from the io buffers (_binding): at most this many such recordings per (shape, path), the oldest evicted,
-# and the pairs of arrays seen once remembered up to BOUND_SEEN (a fresh array per call, e.g. out="device"
-# chained into the next op, stays on the copies: recording per call would cost more than they do).
-BOUND_RECORDINGS, BOUND_SEEN = 4, 32
 
 
 class MoePush(PushConstants):
@@ -406,7 +401,7 @@ class Exl3MoeMlp:
         self._scratch = OrderedDict()
         self._io = {}
         self._recorded = {}   # (m, top_k, path key[, hidden Buffer, out Buffer]) -> _Recording (the last two: bound)
-        self._bound_seen = OrderedDict()  # (m, top_k, hidden Buffer, out Buffer) a call used, oldest first
+        self._repeated = RepeatedArrays()  # DeviceArray pairs the calls passed (bound from their second call on)
         # (m, top_k, dispatch argument: None or a mode) -> _CallPlan. Not a resource the finalizer frees: its
         # paths reference the layer (close() and _evict_shapes drop plans with what they use).
         self._plans = {}
@@ -755,7 +750,7 @@ class Exl3MoeMlp:
         """Run inputs whose shapes and dtypes are checked in the resolved dispatch mode; check=True: the routing
         values are checked too (check_op_routing, as they are written: _submit), else ids outside [0, E) are
         skipped on the device. target: None (returns the output as numpy) or the DeviceArray it goes to;
-        bind_target: the caller's own array, which may be bound in place of the output buffer (_binding)."""
+        bind_target: the caller's own array, which may be bound in place of the output buffer (RepeatedArrays)."""
         m, top_k = ids.shape
         arg = self._dispatch_key(dispatch)
         if m == 0:
@@ -766,7 +761,7 @@ class Exl3MoeMlp:
         with self._call_lock:  # the shape's scratch stays (no eviction) until its last use in _launch_locked
             start = time.perf_counter()  # (last_run's wall_ms counts the planning, as it counted the decision)
             plan = self._plan_locked(m, top_k, arg)
-            bound = self._binding(plan.shape, hidden, target if bind_target else None)
+            bound = self._repeated.binding(plan.shape, hidden, target if bind_target else None)
             return self._launch_locked(plan, hidden, ids, weights, check, target, start, bound)
 
     def _dispatch_key(self, dispatch):
@@ -795,27 +790,10 @@ class Exl3MoeMlp:
         plan = self._plans[(m, top_k, arg)] = _CallPlan((m, top_k), requested, scratch, decision, path, stamp)
         return plan
 
-    def _binding(self, shape, hidden, target):
-        """(hidden Buffer or None, out Buffer or None): the DeviceArrays of a call to bind in its recording, or None
-        (the io buffers, DeviceArrays copied). Bound from a pair's second call on (BOUND_SEEN)."""
-        h = hidden.buffer if isinstance(hidden, DeviceArray) else None
-        o = target.buffer if target is not None else None
-        if h is None and o is None:
-            return None
-        key = (*shape, h, o)
-        seen = self._bound_seen
-        if key in seen:
-            seen.move_to_end(key)
-            return h, o
-        seen[key] = True
-        if len(seen) > BOUND_SEEN:
-            seen.popitem(last=False)
-        return None
-
     def _launch_locked(self, plan, hidden, ids, weights, check, target, start, bound=None):
         """Run a call as `plan` says; a persistent launch that aborted (a bounded spin ran out) is re-run split on
         the same inputs. Sets last_run (its wall time from `start`, a perf_counter()); returns the output.
-        bound: the call's DeviceArray buffers to bind (_binding), or None."""
+        bound: the call's DeviceArray buffers to bind (RepeatedArrays), or None."""
         if bound is not None:
             recording = self._recording(plan.shape, plan.path, bound)
         else:
@@ -864,7 +842,7 @@ class Exl3MoeMlp:
         """The _Recording of `path` for batch shape (m, top_k), recorded on first use (the caller holds the call
         lock): the output poisoned with NaN first (an element no stage writes stays NaN), the path's commands,
         and for a path that reads_status the sync area's abort word copied behind the output. bound: the
-        (hidden, out) Buffers (either may be None) it binds in place of the io buffers (_binding)."""
+        (hidden, out) Buffers (either may be None) it binds in place of the io buffers (RepeatedArrays)."""
         key = (*shape, path.key) if bound is None else (*shape, path.key, *bound)
         recording = self._recorded.get(key)
         if recording is None:
@@ -880,7 +858,7 @@ class Exl3MoeMlp:
         the DeviceArray `target`) and leaves the abort word in the scratch's last_status. The caller holds the
         call lock (one forward at a time per layer: the io and scratch buffers are per layer).
         hidden may be a DeviceArray, and so may the output: copied by recorded copies riding on the same
-        submission (CallTransfers), or bound in `recording` itself (_binding). ids and weights: any integer / float arrays of shape (m, top_k), written
+        submission (CallTransfers), or bound in `recording` itself (RepeatedArrays). ids and weights: any integer / float arrays of shape (m, top_k), written
         as int32 / float32. check=True: their values are checked first (check_op_routing; the native path does it
         in C as it copies them)."""
         call = recording.call

@@ -8,7 +8,8 @@ wait in two C calls. Otherwise, and always for a recording's first submission (w
 lazy shader compile and gets the compile bound, CallTransfers.submit), numpy views of the mapped buffers and
 CommandRecorder.submit_held. DeviceArray inputs and outputs are copied on the device by CallTransfers' riders in
 the same submission on both paths, except those the recording binds itself (bound_inputs, bound_output: the
-MoE's recordings for arrays a caller passes again, Exl3MoeMlp._binding), which need no copy at all.
+recordings of Exl3MoeMlp and Exl3Linear for arrays a caller passes again, device_array.RepeatedArrays), which
+need no copy at all.
 """
 import math
 
