@@ -80,7 +80,8 @@ void moe_clock_start() {
 #error "MOE_DEPENDENCY_WAITS needs sync.glsl included before moe_stages.glsl"
 #endif
 uint moe_dep_word = 0u, moe_dep_target = 0u;  // what the next GEMM item waits for
-uint moe_seen_word = 0xFFFFFFFFu, moe_seen_target = 0u;  // the last wait satisfied (counters only grow in a launch)
+// The last wait satisfied; it stays satisfied: a counter is reset only after every wait for it.
+uint moe_seen_word = 0xFFFFFFFFu, moe_seen_target = 0u;
 uint moe_wait_spent = 0u;                      // spin iterations invocation 0 used (against pc.loop_budget)
 bool moe_launch_failed = false;                // uniform: a wait failed, the launch's results are discarded
 
