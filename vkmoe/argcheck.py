@@ -26,6 +26,17 @@ def int_range(low, high=None):
 positive_int = int_range(1)
 
 
+def non_negative_float(text):
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0:  # (NaN too)
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
+    return value
+
+
+
 def multiple_of_128(text):
     value = _int(text)
     if value <= 0 or value % 128:
