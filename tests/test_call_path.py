@@ -149,7 +149,7 @@ def test_arrays_passed_again_are_bound_not_copied(device, ops, layer):
     """From a pair of arrays' second call on, the MoE binds them in a recording of their own (no copies): the
     results keep the bits of numpy calls, stale output contents never show, calls alternating between arrays each
     get their own data, and the layer keeps at most BOUND_RECORDINGS such recordings per shape and path."""
-    from vkmoe.ops import moe as moe_module
+    from vkmoe.ops.device_array import BOUND_RECORDINGS
 
     moe = ops[0]
     call = layer.calls[0]
@@ -158,7 +158,7 @@ def test_arrays_passed_again_are_bound_not_copied(device, ops, layer):
     xs = [x, (x.astype(np.float32) * 0.5).astype(np.float16)]
     expect = [moe(v, ids, w) for v in xs]
     assert not np.array_equal(expect[0], expect[1])
-    n = moe_module.BOUND_RECORDINGS + 2
+    n = BOUND_RECORDINGS + 2
     hiddens = [DeviceArray.from_numpy(device, xs[i % 2]) for i in range(n)]
     outs = [DeviceArray.empty(device, (m, moe.H), np.float32) for _ in range(n)]
     bound_keys = lambda: [k for k in moe._recorded if len(k) > 3 and k[:2] == (m, top_k)]
@@ -170,7 +170,7 @@ def test_arrays_passed_again_are_bound_not_copied(device, ops, layer):
                 assert got is outs[i] and np.array_equal(got.numpy(), expect[i % 2]), (rnd, i)
                 y = moe(hiddens[i], ids, w)  # a bound hidden with a numpy output
                 assert np.array_equal(y, expect[i % 2]), (rnd, i)
-            assert len(bound_keys()) == (moe_module.BOUND_RECORDINGS if rnd else 0)  # bound from a second call on
+            assert len(bound_keys()) == (BOUND_RECORDINGS if rnd else 0)  # bound from a second call on
         assert any(k[3] is not None and k[4] is not None for k in bound_keys())
         # an output array at the start of a bigger buffer: the bytes past it stay as they were
         big = device.memory.allocate(m * moe.H * 4 + 64)

@@ -161,6 +161,16 @@ def resolve_out(out, device, shape, dtype):
 BOUND_RECORDINGS, BOUND_SEEN = 4, 32
 
 
+def make_room_for_bound(recordings, prefix, close):
+    """Before a new bound recording whose key starts with `prefix` goes into `recordings` (a dict: oldest first):
+    pop and close(entry) the oldest bound ones with that prefix beyond BOUND_RECORDINGS - 1. A bound recording's
+    key is its prefix followed by its arrays' Buffers, so it is longer than the prefix."""
+    n = len(prefix)
+    older = [k for k in recordings if len(k) > n and k[:n] == prefix]
+    for k in older[:max(0, len(older) - (BOUND_RECORDINGS - 1))]:
+        close(recordings.pop(k))
+
+
 class RepeatedArrays:
     """The (shape..., input Buffer, output Buffer) pairs of DeviceArrays an op's calls passed, oldest first
     (Exl3MoeMlp, Exl3Linear). On the H200 a MoE call that copied them cost 13-16 us more than a numpy one;

@@ -12,8 +12,8 @@ from .. import knobs, layout
 from ..exl3 import Exl3Tensor
 from ..vk import CommandRecorder
 from . import kernels
-from .device_array import (BOUND_RECORDINGS, CallTransfers, DeviceArray, RepeatedArrays, close_recording,
-                           last_gpu_ms, resolve_out)
+from .device_array import (CallTransfers, DeviceArray, RepeatedArrays, close_recording, last_gpu_ms,
+                           make_room_for_bound, resolve_out)
 from .host_arrays import describe, host_array, out_dtype_of
 from .plan import gemm_plan
 from .recorded_call import RecordedCall
@@ -69,10 +69,16 @@ def _close_call(xb, yb, call, sets=()):
     close_recording(call.rec, sets, (xb, yb))
 
 
+def _close_bound(entry):
+    """Free a bound call (RecordedCall, descriptor sets); its buffers belong to the io entry and the caller."""
+    call, sets = entry
+    close_recording(call.rec, sets)
+
+
 def _release_linear(io, sets, scratch, owned, bound):
     """Free a linear layer's device objects, emptying its containers in place (close() and the finalizer)."""
-    for call, call_sets in bound.values():  # (before the scratch their commands use)
-        close_recording(call.rec, call_sets)
+    for entry in bound.values():  # (before the scratch their commands use)
+        _close_bound(entry)
     bound.clear()
     for m, entry in io.items():
         _close_call(*entry, sets.pop(m, ()))
@@ -243,10 +249,7 @@ class Exl3Linear:
         if entry is not None:
             self._bound.move_to_end(key)
             return entry[0]
-        older = [k for k in self._bound if k[0] == m]  # the least recently used of other arrays go first
-        for k in older[:max(0, len(older) - (BOUND_RECORDINGS - 1))]:
-            old_call, old_sets = self._bound.pop(k)
-            close_recording(old_call.rec, old_sets)
+        make_room_for_bound(self._bound, (m,), _close_bound)  # the least recently used of other arrays go first
         entry = self._bound[key] = self._record_call(m, xb, yb, bound)
         return entry[0]
 
@@ -260,8 +263,7 @@ class Exl3Linear:
         while len(self._io) >= knobs.get("VKMOE_SHAPE_CACHE"):
             old, entry = self._io.popitem(last=False)
             for key in [k for k in self._bound if k[0] == old]:  # (they use that m's io and scratch)
-                bound_call, bound_sets = self._bound.pop(key)
-                close_recording(bound_call.rec, bound_sets)
+                _close_bound(self._bound.pop(key))
             _close_call(*entry, self._sets.pop(old, ()))
             for key in [k for k in self._scratch if k[0] == old and old not in self._pinned]:
                 for b in self._scratch.pop(key):

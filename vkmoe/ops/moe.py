@@ -23,7 +23,7 @@ from ..exl3.reference import F32_MAX, check_op_routing
 from ..vk import CommandRecorder, DeviceClosedError, GpuTime, PushConstants, TimeoutError, VkmoeError
 from ..vk.fastcall import BoundedRule, IndexRule
 from . import kernels
-from .device_array import BOUND_RECORDINGS, CallTransfers, DeviceArray, RepeatedArrays, resolve_out
+from .device_array import CallTransfers, DeviceArray, RepeatedArrays, make_room_for_bound, resolve_out
 from .host_arrays import describe, host_array, out_dtype_of
 from .plan import moe_plan
 from .recorded_call import RecordedCall
@@ -847,9 +847,7 @@ class Exl3MoeMlp:
         recording = self._recorded.get(key)
         if recording is None:
             if bound is not None:  # the oldest recordings of other arrays for this shape and path go first
-                older = [k for k in self._recorded if len(k) > 3 and k[:3] == key[:3]]
-                for k in older[:max(0, len(older) - (BOUND_RECORDINGS - 1))]:
-                    self._recorded.pop(k).close()
+                make_room_for_bound(self._recorded, key[:3], _Recording.close)
             recording = self._recorded[key] = self._record_run(*shape, path.record, path.reads_status, bound)
         return recording
 
