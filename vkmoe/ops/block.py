@@ -25,11 +25,10 @@ from .. import knobs, layout
 from ..vk import CommandRecorder, PushConstants
 from . import kernels
 from .device_array import CallTransfers, DeviceArray, close_recording, last_gpu_ms, resolve_out
-from .recorded_call import RecordedCall
+from .recorded_call import POISON_F32, RecordedCall
 from .router import RouterGemv, check_tokens
 
 _F32 = np.dtype(np.float32)
-POISON_F32 = 0x7FC00000  # the output is NaN-filled before the block runs: an element it forgets shows up
 
 
 class ElemPush(PushConstants):

@@ -26,7 +26,7 @@ from . import kernels
 from .device_array import CallTransfers, DeviceArray, RepeatedArrays, make_room_for_bound, resolve_out
 from .host_arrays import describe, host_array, out_dtype_of
 from .plan import moe_plan
-from .recorded_call import RecordedCall
+from .recorded_call import POISON_F32, RecordedCall
 from .timeline import Timeline
 
 from typing import TYPE_CHECKING
@@ -38,7 +38,6 @@ DISPATCH_MODES = ("auto", "persistent", "split")
 # Checked on every call: dtype objects compare ~5x faster than a dtype with numpy scalar types (no conversion).
 _F16, _F32, _I32 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.int32)
 _WEIGHT_DTYPES = frozenset(map(np.dtype, (np.float16, np.float32, np.float64)))
-POISON_F32 = 0x7FC00000  # a quiet NaN: an output element the kernels forget to write shows up in every test
 STATUS_BYTES = 16       # after the (m, H) output in the readback buffer: the persistent launch's abort word
 
 

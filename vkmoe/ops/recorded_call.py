@@ -19,6 +19,7 @@ from ..vk import fastcall
 from .device_array import DeviceArray
 
 _U32 = np.dtype(np.uint32)
+POISON_F32 = 0x7FC00000  # a quiet NaN: what an op's output starts as, so an element the device forgets shows up
 
 
 class RecordedCall:

@@ -17,6 +17,7 @@ from ..layout import ROUTE_MAX_EXPERTS as MAX_EXPERTS
 from ..vk import CommandRecorder, PushConstants
 from . import kernels
 from .device_array import close_recording
+from .recorded_call import POISON_F32
 
 
 class RouterLogitsPush(PushConstants):
@@ -186,8 +187,8 @@ class DeviceRouter:
             xb, tb, ib, wb, lb = bufs
             rec = CommandRecorder(self.device)
             rec.begin()
-            rec.fill(ib, 0x7FC00000)  # poisoned: every slot must be written
-            rec.fill(wb, 0x7FC00000)
+            rec.fill(ib, POISON_F32)  # poisoned: every slot must be written
+            rec.fill(wb, POISON_F32)
             rec.barrier()
             sets = self.record(rec, xb, x_f32, tb, lb, ib, wb, m)
             rec.host_barrier()
