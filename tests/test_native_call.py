@@ -37,17 +37,19 @@ def _counted(fn):
     return result, commands.native_submission_count() - native, commands.submission_count() - total
 
 
-def _both_paths(monkeypatch, fn):
+def _both_paths(monkeypatch, fn, fetch=lambda result: result):
     """fn() on the native path (after a first call, which records and takes the Python path) and forced onto
-    the Python path: (native result, python result); checks which path each call took."""
+    the Python path: (fetch(native result), fetch(python result)); checks which path each call took. fetch runs
+    outside the count (a DeviceArray's numpy() is a submission of its own where device memory is not mapped)."""
     monkeypatch.setenv("VKMOE_NATIVE_CALL", "1")
     fn()
     native, n_native, n_total = _counted(fn)
     assert n_native == n_total == 1, (n_native, n_total)
+    native = fetch(native)
     monkeypatch.setenv("VKMOE_NATIVE_CALL", "0")
     python, n_native, n_total = _counted(fn)
     assert n_native == 0 and n_total == 1
-    return native, python
+    return native, fetch(python)
 
 
 def _numpy(result):
@@ -73,7 +75,7 @@ def test_moe_matches_the_python_path(device, moe, layer, monkeypatch, dispatch):
                 # (an array passed again is bound in a recording of its own: device_array.RepeatedArrays; that
                 # recording's first submission takes the Python path, as every recording's does)
                 moe(xd, ids, w, dispatch=dispatch, out=out)
-                native, python = _both_paths(monkeypatch, lambda: _numpy(moe(xd, ids, w, dispatch=dispatch, out=out)))
+                native, python = _both_paths(monkeypatch, lambda: moe(xd, ids, w, dispatch=dispatch, out=out), _numpy)
                 assert np.array_equal(native, python) and np.array_equal(native, moe(x, ids, w, dispatch=dispatch))
         native, python = _both_paths(monkeypatch, lambda: moe(x, ids, w, dispatch=dispatch, out_dtype=np.float16))
         assert native.dtype == np.float16 and np.array_equal(native, python)
@@ -114,7 +116,7 @@ def test_linear_matches_the_python_path(device, linear, monkeypatch, out_dtype):
         with DeviceArray.from_numpy(device, x) as xd:
             for out in (None, "device"):
                 linear(xd, out=out)  # (xd is bound from its second call on, in a recording of its own: see above)
-                native, python = _both_paths(monkeypatch, lambda: _numpy(linear(xd, out=out)))
+                native, python = _both_paths(monkeypatch, lambda: linear(xd, out=out), _numpy)
                 assert np.array_equal(native, python) and np.array_equal(native, linear(x))
 
 
@@ -126,7 +128,7 @@ def test_device_block_matches_the_python_path(device, blocks, monkeypatch):  # n
                 native, python = _both_paths(monkeypatch, lambda: block(h))
                 assert np.isfinite(native).all() and np.array_equal(native, python)
             with DeviceArray.from_numpy(device, hidden) as xd:
-                native, python = _both_paths(monkeypatch, lambda: _numpy(block(xd, out="device")))
+                native, python = _both_paths(monkeypatch, lambda: block(xd, out="device"), _numpy)
                 assert np.array_equal(native, python)
 
 
@@ -171,7 +173,9 @@ def test_first_submission_of_a_recording_takes_the_python_path(device, layer):
     c = L.calls[0]
     with vkmoe.Exl3MoeMlp(device, L.gate, L.up, L.down, activation="silu", dispatch="split") as fresh:
         counts = [_counted(lambda: fresh(c["x"], c["selected"], c["weights"]))[1:] for _ in range(3)]
-    assert counts == [(0, 1), (1, 1), (1, 1)]
+    # (the first call may also submit one-time uploads of its own, e.g. a scratch buffer's zeros into device
+    # memory that the host cannot map: a discrete GPU's)
+    assert counts[0][0] == 0 and counts[0][1] >= 1 and counts[1:] == [(1, 1), (1, 1)], counts
 
 
 # ------------------------------------------------------------------------------------ errors
