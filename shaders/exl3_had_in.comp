@@ -6,12 +6,14 @@
 #define WG_SIZE 256u
 layout(local_size_x = 256) in;
 #include "generated/moe_layout.glsl"
-#include "hadamard128.glsl"
 
 layout(std430, binding = 0) readonly buffer X { uint x[]; };        // (m, k) fp16
 layout(std430, binding = 1) readonly buffer Suh { uint suh[]; };    // (k,) fp16
 layout(std430, binding = 2) writeonly buffer Y { uint y[]; };       // (m, k) fp16
 layout(push_constant) uniform Push { uint m; uint k; } pc;
+#define HAD_IN_X(i) x[i]
+#define HAD_IN_SUH(i) suh[i]
+#include "hadamard128.glsl"
 
 void main() {
     uint units = pc.m * (pc.k / 128u), c0 = had_col0();
@@ -22,11 +24,7 @@ void main() {
         // even).
         bool mine = r0 + had_row() < HAD_IN_UNITS_PER_WG && unit < units;
         uint w = (mine ? unit * 128u + c0 : c0) >> 1, sw = w % (pc.k / 2u);
-        [[unroll]] for (uint j = 0u; j < HAD_VALS; j += 2u) {
-            vec2 xs = unpackHalf2x16(x[w + j / 2u]), s = unpackHalf2x16(suh[sw + j / 2u]);
-            had_v[j] = rn16(xs.x * s.x);
-            had_v[j + 1u] = rn16(xs.y * s.y);
-        }
+        had_in_load(w, sw);
         had_transform();
         [[unroll]] for (uint j = 0u; j < HAD_VALS; j += 2u)
             if (mine) y[w + j / 2u] = packHalf2x16(vec2(had_v[j], had_v[j + 1u]) * HAD_SCALE);

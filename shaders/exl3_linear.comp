@@ -4,6 +4,9 @@
 // Grid: (bands = n / 128, k-splits, row chunks of GEMM_ROWS). Each workgroup writes its fp32 partial for its
 // band and k-split; the last of a band's k-splits to arrive (an atomic counter, no waiting) sums the partials
 // in split order - deterministic - and applies the output Hadamard. The counter resets itself.
+// Direct mode (DIRECT, one row: m = 1): binding 0 holds x itself, and each workgroup builds the input Hadamard
+// of the 128-blocks its k-range covers in shared memory while its first weight tiles are in flight (the same
+// arithmetic as exl3_had_in.comp, so the same bits), instead of a dispatch and a barrier of their own before it.
 #include "common.glsl"
 #define WG_SIZE 256u
 layout(local_size_x = 256) in;
@@ -12,8 +15,9 @@ layout(constant_id = SPEC_LINEAR_K) const int K = 4;
 layout(constant_id = SPEC_LINEAR_CB) const int CB = 2;
 layout(constant_id = SPEC_LINEAR_ROWS) const int GEMM_ROWS = 16;
 layout(constant_id = SPEC_LINEAR_HAS_BIAS) const bool HAS_BIAS = false;
+layout(constant_id = SPEC_LINEAR_DIRECT) const bool DIRECT = false;
 
-layout(std430, binding = 0) readonly buffer XH { uint xh[]; };       // (m, k) fp16, input Hadamard applied
+layout(std430, binding = 0) readonly buffer XH { uint xh[]; };       // (m, k) fp16, input Hadamard applied (DIRECT: x)
 layout(std430, binding = 1) readonly buffer Trellis { uint trellis[]; };
 layout(std430, binding = 0) readonly buffer XH4 { uvec4 xh4[]; };          // the same memory, 16 bytes at a time
 layout(std430, binding = 1) readonly buffer Trellis4 { uvec4 trellis4[]; };
@@ -23,17 +27,49 @@ layout(std430, binding = 4) writeonly buffer Y { uint y[]; };        // (m, n) f
 // Written and read by different workgroups of the dispatch: nonprivate, so that release/acquire covers them.
 layout(std430, binding = 5) nonprivate buffer Partial { float partial[]; };   // (splits, m, n) fp32
 layout(std430, binding = 6) nonprivate buffer Counters { uint counters[]; };  // one per (row chunk, band), start at 0
+layout(std430, binding = 7) readonly buffer Suh { uint suh[]; };     // (k,) fp16 (read in DIRECT mode only)
 layout(push_constant) uniform Push { uint m; uint k; uint n; uint splits; uint kt_per_split; } pc;
 
 uint gemm_b_word(int src, uint index) { return trellis[index]; }
-uvec4 gemm_a_word4(const int src, uint index) { return xh4[index]; }
+uvec4 gemm_a_word4(const int src, uint index);
 uvec4 gemm_b_word4(int src, uint index) { return trellis4[index]; }
+// Direct mode: this workgroup's k-range, for its A row (linear_direct_a_row) built after the first weight requests
+uint linear_kt0 = 0u, linear_kt1 = 0u;
+void linear_direct_a_row(uint kt0, uint kt1);
+#define GEMM_AFTER_PREFETCH(a_src) if (DIRECT) linear_direct_a_row(linear_kt0, linear_kt1)
+#define HAD_IN_X(i) xh[i]
+#define HAD_IN_SUH(i) suh[i]
 #include "exl3_decode.glsl"
 #include "hadamard128.glsl"
 #include "exl3_gemm.glsl"
 #define LAST_ARRIVAL_BUF counters
 #include "last_arrival.glsl"
 #include "linear_tail.glsl"
+
+// Direct mode's A: gemm_red holds the packed fp16 row from block kt0 / 8 on (gemm_row_base[0] offsets the GEMM's
+// word index to it).
+uvec4 gemm_a_word4(const int src, uint index) {
+    if (DIRECT) {
+        uint w = 4u * index;
+        return uvec4(gemm_red[w], gemm_red[w + 1u], gemm_red[w + 2u], gemm_red[w + 3u]);
+    }
+    return xh4[index];
+}
+
+// Whole workgroup: the input Hadamard of x's row 0 over the 128-blocks that hold k-tiles [kt0, kt1), into gemm_red
+// as packed fp16 words, one block per Hadamard row (at most GEMM_RED_WORDS / 64 blocks: the plan keeps
+// kt_per_split within layout.DIRECT_MAX_KT). gemm_red is free until the GEMM's partials (after its last read of A).
+void linear_direct_a_row(uint kt0, uint kt1) {
+    uint b0 = kt0 / 8u, nb = wg_uniform(kt1 > kt0 ? (kt1 + 7u) / 8u - b0 : 0u), c0 = had_col0();
+    for (uint r0 = 0u; r0 < nb; r0 += HAD_PASS_ROWS) {  // around barriers (shared-memory transform): nb uniform
+        uint r = r0 + had_row(), col = (b0 + min(r, nb - 1u)) * 128u + c0;
+        had_in_load(col / 2u, col / 2u);
+        had_transform();
+        [[unroll]] for (uint j = 0u; j < HAD_VALS; j += 2u)
+            if (r < nb) gemm_red[r * 64u + (c0 + j) / 2u] = packHalf2x16(vec2(had_v[j], had_v[j + 1u]) * HAD_SCALE);
+    }
+    barrier();  // the GEMM reads the whole row
+}
 
 void main() {
     uint band = gl_WorkGroupID.x, split = gl_WorkGroupID.y, chunk = gl_WorkGroupID.z;
@@ -42,7 +78,10 @@ void main() {
     uint tiles_k = pc.k / 16u, tiles_n = pc.n / 16u;
     uint kt0 = split * pc.kt_per_split, kt1 = min(tiles_k, kt0 + pc.kt_per_split);
 
-    [[unroll]] for (int r = 0; r < GEMM_ROWS; ++r) gemm_row_base[r] = (row0 + uint(r)) * (pc.k / 2u);
+    [[unroll]] for (int r = 0; r < GEMM_ROWS; ++r)
+        gemm_row_base[r] = DIRECT ? 0u - (kt0 / 8u) * 64u : (row0 + uint(r)) * (pc.k / 2u);
+    linear_kt0 = kt0;
+    linear_kt1 = kt1;
     gemm_clear();
     gemm_accumulate(0, 0, K, CB, nr, 0u, tiles_n, band, kt0, kt1);
 

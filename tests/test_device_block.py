@@ -139,6 +139,32 @@ def test_recorded_block_equals_call(blocks, device, key):
             a.close()
 
 
+@pytest.mark.parametrize("key", [("qwen3_next", 0), ("deepseek_v3", 0), ("nemotron_h_latent", 0)],
+                         ids=lambda k: f"{k[0]}-{k[1]}")
+def test_one_token_linears_in_direct_mode_give_the_same_bits(blocks, device, key, monkeypatch):
+    """At m = 1 the shared-expert (and latent) linears run in direct mode (each GEMM builds its own input
+    Hadamard, no dispatch of its own): a recording made with VKMOE_LINEAR_DIRECT=off gives the same bits."""
+    block = blocks[key]
+    x, ids = _hidden(1, seed=12), _tokens(block, 1, seed=12)
+    want = block(x, input_ids=ids)
+    monkeypatch.setenv("VKMOE_LINEAR_DIRECT", "off")  # read when the linears' stages are recorded
+    xd, out = DeviceArray.from_numpy(device, x), _poisoned(device, 1)
+    idd = None if ids is None else DeviceArray.from_numpy(device, ids)
+    with CommandRecorder(device) as rec:
+        rec.begin()
+        # (unpinned, as __call__ records: a pinned m = 1 would stay for the module's other tests)
+        sets = block.device_block.record_buffers(rec, xd.buffer, False, None if idd is None else idd.buffer,
+                                                 out.buffer, 1, pin=False)
+        rec.end()
+        rec.submit(wait=True)
+    assert np.array_equal(out.numpy(), want) and np.all(np.isfinite(want))
+    for d in sets:
+        d.free()
+    for a in (xd, out, idd):
+        if a is not None:
+            a.close()
+
+
 def test_chain_of_blocks_in_one_submission(blocks, device):
     """Three layers recorded back to back (each reads the previous one's fp32 output; the middle one a LatentMoE
     block) == one by one, with device arrays passed between the calls, and == numpy calls."""

@@ -10,6 +10,8 @@ import pytest
 import vkmoe
 from goldens import GOLDEN_DIR, rel_rms
 from vkmoe.exl3 import dequantize, reference
+from vkmoe.layout import DIRECT_MAX_KT
+from vkmoe.ops.plan import gemm_plan
 
 CODEBOOKS = ("mul1", "mcg", "3inst")
 BITS = tuple(range(1, 9))
@@ -218,6 +220,41 @@ def test_deterministic(device):
 
 
 # ------------------------------------------------------------------------------------------ loop cap
+@pytest.mark.parametrize("k,n,bits,codebook,bias,wg_per_cu", [
+    (256, 384, 4, "mul1", False, 3), (2048, 128, 3, "3inst", True, 1), (2048, 256, 5, "mcg", False, 7),
+    (4096, 128, 2, "mul1", False, 40)], ids=lambda v: str(v))
+def test_direct_mode_matches_the_two_dispatches(device, monkeypatch, k, n, bits, codebook, bias, wg_per_cu):
+    """m = 1 runs in direct mode (one dispatch: each workgroup builds the input Hadamard of the 128-blocks its
+    k-range touches, ops.plan.gemm_plan): the same bits as VKMOE_LINEAR_DIRECT=off (input Hadamard dispatch, barrier,
+    GEMM) with the same k-splits, for k-ranges that start and end inside a block (VKMOE_GEMM_WG_PER_CU moves them)."""
+    if device.quirks.get("loop_iteration_cap"):  # Mesa 22.3: never direct (ops.plan.gemm_plan says why)
+        assert not gemm_plan(device, 1, k, n).direct
+        pytest.skip("direct linear plans are off on the loop-capped lavapipe (Mesa 22.3)")
+    monkeypatch.setenv("VKMOE_GEMM_WG_PER_CU", str(wg_per_cu))
+    t = make_tensor(k, n, bits, codebook, seed=41, bias=bias)
+    x = make_x(1, k, seed=42)
+    outs = {}
+    for choice in ("auto", "off"):
+        monkeypatch.setenv("VKMOE_LINEAR_DIRECT", choice)  # read when a shape is recorded: a layer of its own
+        plan = gemm_plan(device, 1, k, n)
+        assert plan.direct == (choice == "auto") and plan.rows == 1
+        with vkmoe.Exl3Linear(device, t) as layer:
+            outs[choice] = run_poisoned(layer, x)
+            xb, yb = device.memory.allocate(k * 2), device.memory.allocate(n * 2)
+            try:  # direct mode: no input Hadamard step at all
+                assert (layer.stages(xb, yb, 1)[0] is None) == (choice == "auto")
+                layer.release_shape(1)
+            finally:
+                xb.close()
+                yb.close()
+        outs[choice + "_plan"] = plan
+    assert outs["auto_plan"].splits == outs["off_plan"].splits or k // 16 > DIRECT_MAX_KT
+    assert np.array_equal(outs["auto"], outs["off"])
+    check_close(outs["auto"], x, t, f"direct ({k},{n}) K={bits} {codebook}")
+    # m > 1 is never direct (one row's room in shared memory)
+    assert not gemm_plan(device, 2, k, n).direct
+
+
 def test_long_k_past_loop_cap(device):
     """k = 69,632 > 65,535: a kernel looping over k in one invocation would be cut short on Mesa 22.3."""
     k, n, m = 69632, 128, 1

@@ -36,7 +36,7 @@ SPEC_MOE_K_GATE, SPEC_MOE_K_UP, SPEC_MOE_K_DOWN, SPEC_MOE_CB, SPEC_MOE_ROWS, SPE
 SPEC_MOE_DIRECT = 6     # direct mode: every (token, slot) row its own chunk, no routing pass (moe_stages.glsl)
 SPEC_MOE_PACED_SPIN = 7  # moe_persistent.comp: whole-workgroup spins, for a driver with a loop cap (moe_spin_paced)
 # exl3_linear.comp and exl3_dequant.comp (the first two)
-SPEC_LINEAR_K, SPEC_LINEAR_CB, SPEC_LINEAR_ROWS, SPEC_LINEAR_HAS_BIAS = 0, 1, 2, 3
+SPEC_LINEAR_K, SPEC_LINEAR_CB, SPEC_LINEAR_ROWS, SPEC_LINEAR_HAS_BIAS, SPEC_LINEAR_DIRECT = 0, 1, 2, 3, 4
 # every decoding shader's f16 build (exl3_decode.glsl): the driver fuses the fp16 fma exactly
 SPEC_F16_FMA_FUSED = 15
 # every shader that runs the 128-point Hadamard transform (hadamard128.glsl): the subgroup size of the subgroup
@@ -271,7 +271,7 @@ def _defines():
         yield f"ABORT_{name}", f"{globals()['ABORT_' + name]}u"
     for name in ("K_GATE", "K_UP", "K_DOWN", "CB", "ROWS", "ACT", "DIRECT", "PACED_SPIN"):
         yield f"SPEC_MOE_{name}", str(globals()["SPEC_MOE_" + name])
-    for name in ("K", "CB", "ROWS", "HAS_BIAS"):
+    for name in ("K", "CB", "ROWS", "HAS_BIAS", "DIRECT"):
         yield f"SPEC_LINEAR_{name}", str(globals()["SPEC_LINEAR_" + name])
     yield "SPEC_F16_FMA_FUSED", str(SPEC_F16_FMA_FUSED)
     yield "SPEC_HAD_SUBGROUP", str(SPEC_HAD_SUBGROUP)

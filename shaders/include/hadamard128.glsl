@@ -101,4 +101,17 @@ void had_transform() {
 // fp16 rounding helpers for the Hadamard variants (spec section 5).
 float rn16(float v) { return unpackHalf2x16(packHalf2x16(vec2(v, 0.0))).x; }
 
+#ifdef HAD_IN_X
+// The input Hadamard's first step (had_in, spec section 5): had_v = RN16(x * suh) for this invocation's columns,
+// from packed fp16 word w of x and word sw of suh on. The includer defines HAD_IN_X(i) and HAD_IN_SUH(i), its
+// words (exl3_had_in.comp; exl3_linear.comp's direct mode, which builds its own input row).
+void had_in_load(uint w, uint sw) {
+    [[unroll]] for (uint j = 0u; j < HAD_VALS; j += 2u) {
+        vec2 xs = unpackHalf2x16(HAD_IN_X(w + j / 2u)), s = unpackHalf2x16(HAD_IN_SUH(sw + j / 2u));
+        had_v[j] = rn16(xs.x * s.x);
+        had_v[j + 1u] = rn16(xs.y * s.y);
+    }
+}
+#endif
+
 #endif

@@ -62,6 +62,7 @@ def gemm_kernel(device, plan, bits, codebook, has_bias):
         spec[layout.SPEC_F16_FMA_FUSED] = kernels.f16_fma_fused(device)
         return kernels.pipeline(device, kernels.coop_linear_name(device, plan.rows), kernels.LinearPush, spec)
     spec[layout.SPEC_LINEAR_ROWS] = plan.rows
+    spec[layout.SPEC_LINEAR_DIRECT] = plan.direct
     return kernels.pipeline(device, "exl3_linear", kernels.LinearPush, spec, decode=True)
 
 
@@ -132,7 +133,7 @@ class Exl3Linear:
     # ---------------------------------------------------------------------------------------------- record
     def _scratch_for(self, m):
         plan = gemm_plan(self.device, m, self.k, self.n)
-        key = (m, plan.splits, plan.coop, plan.rows)
+        key = (m, plan.splits, plan.coop, plan.rows, plan.direct)
         if key not in self._scratch:
             mem = self.device.memory
             xh = mem.allocate(m * self.k * 2)
@@ -165,9 +166,11 @@ class Exl3Linear:
                         b.close()
 
     def stages(self, x_buf: "Buffer", y_buf: "Buffer", m: int):
-        """record()'s two dispatches as separate steps, for a caller that records other independent work between
+        """record()'s dispatches as separate steps, for a caller that records other independent work between
         them: [input Hadamard (reads x_buf), GEMM (writes y_buf)], each a function(cmd) -> descriptor set that
-        records one dispatch and no barrier; the caller puts a barrier after each. Pins m like record()."""
+        records one dispatch and no barrier; the caller puts a barrier after each. The first is None in direct mode
+        (one row: the GEMM reads x_buf and builds its input Hadamard itself, ops.plan.gemm_plan). Pins m like
+        record()."""
         with self._call_lock:
             self._pinned.add(m)
             return self._stages(x_buf, y_buf, m)
@@ -186,17 +189,22 @@ class Exl3Linear:
 
         def gemm(cmd):
             pipe = gemm_kernel(dev, plan, self.bits, self.codebook, self.has_bias)
-            dset = pipe.bind(xh, self._trellis, self._svh, self._bias, y_buf, partial, counters)
+            # (the FMA build reads suh in direct mode, where binding 0 is x itself; the coop build has no binding 7)
+            suh = () if plan.coop else (self._suh,)
+            dset = pipe.bind(x_buf if plan.direct else xh, self._trellis, self._svh, self._bias, y_buf, partial,
+                             counters, *suh)
             cmd.dispatch(pipe, dset, layout.linear_grid(plan, self.n),
                          pipe.push(m=m, k=self.k, n=self.n, splits=plan.splits, kt_per_split=plan.kt_per_split))
             return dset
 
-        return [had_in, gemm]
+        return [None if plan.direct else had_in, gemm]
 
     def _record(self, cmd, x_buf, y_buf, m):
         """record()'s commands (each dispatch followed by a barrier); returns the descriptor sets they use."""
         sets = []
         for stage in self._stages(x_buf, y_buf, m):
+            if stage is None:  # (direct mode has no input Hadamard dispatch)
+                continue
             sets.append(stage(cmd))
             cmd.barrier()
         return sets

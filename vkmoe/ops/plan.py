@@ -37,6 +37,7 @@ class GemmPlan:
     splits: int        # k-splits per band
     kt_per_split: int  # k-tiles (16 deep) per split
     coop: bool = False  # the cooperative-matrix GEMM (exl3_linear_coop.comp): rows = its tile's rows
+    direct: bool = False  # one row whose input Hadamard each workgroup builds itself (exl3_linear.comp, DIRECT)
 
 
 def default_target_workgroups(device):
@@ -141,6 +142,12 @@ def coop_rows(device, m):
 
 
 def gemm_plan(device, m, k, n, target_workgroups=None):
+    """The linear's plan for m rows. One row (m = 1) runs in direct mode unless VKMOE_LINEAR_DIRECT=off: each
+    GEMM workgroup builds the input Hadamard of its own k-range, so the op is one dispatch instead of two with a
+    barrier between (same bits); its k-splits keep within DIRECT_MAX_KT tiles (the row's room in shared memory).
+    Not on Mesa 22.3's lavapipe (the driver with the loop cap): there one band of two came out unwritten at random
+    (k-splits of 19 or 43 tiles), with either Hadamard transform, as its k-split arrivals were lost in the MoE's
+    direct mode (Exl3MoeMlp._hadamard_pin); Mesa 25 and the H200 run it right. The cause is not found."""
     if use_coop(device, m):
         return _coop_plan(device, m, k, n, target_workgroups)
     rows = rows_for(m)
@@ -149,8 +156,11 @@ def gemm_plan(device, m, k, n, target_workgroups=None):
     bands = n // BAND
     if target_workgroups is None:
         target_workgroups = default_target_workgroups(device)
-    splits, kt_per_split = _splits(device, tiles_k, bands * row_chunks, target_workgroups)
-    return GemmPlan(rows, row_chunks, splits, kt_per_split)
+    direct = (m == 1 and knobs.get("VKMOE_LINEAR_DIRECT") == "auto"
+              and not device.quirks.get("loop_iteration_cap"))
+    splits, kt_per_split = _splits(device, tiles_k, bands * row_chunks, target_workgroups,
+                                   max_kt=DIRECT_MAX_KT if direct else None)
+    return GemmPlan(rows, row_chunks, splits, kt_per_split, direct=direct)
 
 
 def _coop_plan(device, m, k, n, target_workgroups):
