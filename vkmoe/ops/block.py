@@ -3,14 +3,15 @@ command buffer (vkmoe.models.SparseMoeBlock builds it for the vulkan backend; do
 
 Phases (one barrier after each; the dispatches inside a phase are independent), split mode:
     [fp32 hidden -> fp16 | Gemma 4: router / routed-in RMSNorms]
-    router (one dispatch), shared gate GEMV, shared up + gate input Hadamards
-    routed: routing + stage 1, shared up + gate GEMMs
-    routed: gate/up GEMM, shared activation
-    routed: down GEMM, shared down input Hadamard
-    shared down GEMM
+    shared up + gate input Hadamards, shared gate GEMV
+    router (one dispatch), shared up + gate GEMMs
+    routed: routing + stage 1, shared activation
+    routed: gate/up GEMM, shared down input Hadamard
+    routed: down GEMM, shared down GEMM
     [Gemma 4: routed-out RMSNorm] -> out += shared (· sigmoid(gate)) (Gemma 4: += RMSNorm(shared))
 Without a shared expert: router, then the routed experts' three. A persistent routed launch runs alone, after the
-shared expert's phases.
+shared expert's phases. At m = 1 the shared (and latent) linears have no input Hadamard dispatches (the linear's
+direct mode: ops.plan.gemm_plan), so their phases hold only the GEMMs; an empty phase is skipped.
 NemotronH's LatentMoE: fc1_latent_proj's input Hadamard joins the router phase and its GEMM the next (with the
 shared up GEMM), so the routed experts start one phase later and run at the latent width L into an fp32 (m, L)
 sum; then fp16(sum), fc2_latent_proj's Hadamard, its GEMM and out = fp32(fc2), each a phase, before the shared sum.
