@@ -136,7 +136,7 @@ class Exl3Linear:
         key = (m, plan.splits, plan.coop, plan.rows, plan.direct)
         if key not in self._scratch:
             mem = self.device.memory
-            xh = mem.allocate(m * self.k * 2)
+            xh = mem.allocate(16 if plan.direct else m * self.k * 2)  # (direct mode has no input Hadamard output)
             # the cooperative-matrix GEMM stores whole row tiles: its partials have row_chunks * rows rows
             rows = plan.row_chunks * plan.rows if plan.coop else m
             partial = mem.allocate(plan.splits * rows * self.n * 4)
