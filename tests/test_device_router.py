@@ -210,3 +210,99 @@ def test_router_gemv_over_several_rounds_of_loads(device, kind):
         ids64, w64 = softmax_topk(router_logits(x, w, np.float64), 4, True)
         assert np.array_equal(ids, ids64), (kind, x_dtype)
         np.testing.assert_allclose(wts, w64, rtol=2e-5, atol=1e-6)
+
+
+def _exact_rows(values):
+    """_exact_logits for m tokens: row t of x is the unit vector e_t, column t of W row t's logits (m <= H), so
+    token t's logits are exactly values[t] (multiples of 1/4 in fp16's exact range)."""
+    values = np.asarray(values, np.float64)
+    m, n_experts = values.shape
+    w, x = np.zeros((n_experts, H), np.float16), np.zeros((m, H), np.float16)
+    x[np.arange(m), np.arange(m)] = 1.0
+    w[:, :m] = values.T
+    assert np.array_equal(router_logits(x, w, np.float64), values)
+    return w, x
+
+
+def _selection_rows(n_experts, k, seed):
+    """Tokens whose top-k sits where a selection that splits the experts over invocations (invocation tid ranks
+    experts tid, tid + 256, ...) or subgroups could go wrong: all in the first experts, several on one
+    invocation (e, e + 256, ...), in the last, partial chunk of 256, tied across subgroups, all equal, and
+    many-way ties everywhere. Distinct values are 1/4 apart in [-6, 4]: distinct in fp32 after every family's
+    scoring, so the float64 reference's order is the device's."""
+    rng = np.random.default_rng(seed)
+    top = 4.0 - 0.25 * np.arange(k)                      # k distinct values above everything else
+    rest = lambda: rng.integers(-24, -16, n_experts) / 4  # [-6, -4.25], ties among themselves
+    rows = []
+    r = rest(); r[:k] = top; rows.append(r)              # experts 0 .. k-1
+    r = rest(); lanes = np.arange(0, n_experts, 256)
+    same_lane = np.concatenate([lanes + i for i in range(256)])
+    same_lane = same_lane[same_lane < n_experts][:k]
+    r[same_lane] = top; rows.append(r)                   # 0, 256, 512, ..., 1, 257, ...: one invocation's first
+    r = rest(); r[n_experts - k:] = top[::-1]; rows.append(r)  # the last k, ascending
+    r = rest(); r[rng.permutation(n_experts)[:min(n_experts, 2 * k)]] = 3.0; rows.append(r)  # 2k tied at the top
+    rows.append(np.zeros(n_experts))                     # all equal
+    rows.append(rng.integers(-2, 2, n_experts) / 4)      # four values: ties everywhere
+    r = rng.integers(-24, 16, n_experts) / 4; rows.append(r)  # random, with ties
+    return np.stack(rows)
+
+
+SELECTION_FAMILIES = {
+    "std": (dict(norm=True), lambda z, k: softmax_topk(z, k, True)),
+    "dots": (dict(norm=True, routed_scaling_factor=1.0), lambda z, k: sigmoid_group_topk(z, None, k, 1, 1, True, 1.0)),
+    "sqrtsp": (dict(routed_scaling_factor=1.0), lambda z, k: sqrtsp_topk(z, None, k, 1.0)),
+}
+
+
+def _route_k(device, family, weight, x, k, **kw):
+    router = DeviceRouter(device, family, weight, k, **kw)
+    try:
+        return router(x)
+    finally:
+        router.close()
+
+
+@pytest.mark.parametrize("n_experts,k", [(300, 8), (300, 32), (72, 2), (520, 1), (1000, 7), (1024, 32)])
+@pytest.mark.parametrize("family", sorted(SELECTION_FAMILIES))
+def test_selection_matches_the_reference_where_the_split_matters(device, family, n_experts, k):
+    """select_topk gives the float64 router's slots, order and tie rule for E not a multiple of 256, up to
+    ROUTE_MAX_EXPERTS and MAX_TOP_K, with the top-k placed where splitting the experts over invocations or
+    subgroups would go wrong (_selection_rows)."""
+    kw, numpy_router = SELECTION_FAMILIES[family]
+    w, x = _exact_rows(_selection_rows(n_experts, k, seed=n_experts + k))
+    ids, wts = _route_k(device, family, w, x, k, **kw)
+    ids64, w64 = numpy_router(router_logits(x, w, np.float64), k)
+    assert np.array_equal(ids, ids64)
+    np.testing.assert_allclose(wts, w64, rtol=2e-6, atol=1e-7)
+
+
+def test_selection_takes_minus_inf_experts_in_index_order(device):
+    """dots, 64 groups of 5, one kept (group 60): top_k = 8 takes its 5 experts, then three dropped (-inf) experts,
+    the lowest indices (0, 1, 2); nothing stays NONE."""
+    n_experts, k = 320, 8
+    vals = np.full((1, n_experts), -1.0)
+    vals[0, 300:305] = [2.0, 1.0, 1.5, 0.5, 2.0]
+    w, x = _exact_rows(vals)
+    ids, wts = _route_k(device, "dots", w, x, k, n_group=64, topk_group=1, norm=True, routed_scaling_factor=1.0)
+    ids64, w64 = sigmoid_group_topk(router_logits(x, w, np.float64), None, k, 64, 1, True, 1.0)
+    assert ids.tolist() == [[300, 304, 302, 301, 303, 0, 1, 2]] == ids64.tolist()
+    np.testing.assert_allclose(wts, w64, rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("n_experts", [64, 300])
+def test_selection_never_takes_a_nan_choice(device, n_experts):
+    """NaN logits (a NaN weight) give NaN choice values (dots: sigmoid): never taken, beaten by every expert,
+    also where they sit among the largest values and on the invocation that holds a winner."""
+    k = 8
+    vals = np.full((1, n_experts), -2.0)
+    vals[0, [0, 1, 2, 3, 40, 41]] = [3.0, 2.75, 2.5, 2.25, 2.0, 1.75]
+    w, x = _exact_rows(vals)
+    nan_at = [e for e in (1, 5, 40, 256, 257, 299) if e < n_experts]
+    w[nan_at, 0] = np.nan
+    z = router_logits(x, w, np.float64)
+    assert np.isnan(z[0, nan_at]).all()
+    ids, wts = _route_k(device, "dots", w, x, k, norm=True, routed_scaling_factor=1.0)
+    ids64, w64 = sigmoid_group_topk(z, None, k, 1, 1, True, 1.0)
+    assert not set(ids64[0].tolist()) & set(nan_at)
+    assert np.array_equal(ids, ids64)
+    np.testing.assert_allclose(wts, w64, rtol=2e-6, atol=1e-7)
