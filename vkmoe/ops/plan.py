@@ -50,6 +50,21 @@ def rows_for(m):
     return 1 if m <= 1 else 4 if m <= 4 else 8 if m <= 8 else MOE_ROWS_MAX
 
 
+# From this many tokens a routed chunk (FMA path) holds at least 4 rows of its expert, even where the batch has no
+# more rows than experts: the rows that pick one expert then share one decode of its weights instead of reading
+# them once per row. H200, tools/bench_moe, us, rows 1 -> 4 at m = 16: Qwen3-30B-A3B shape split 222.3 -> 205.8,
+# persistent 247.6 -> 196.5; DeepSeek-V3 shape 1676.0 -> 1513.7, 1817.9 -> 1510.9 (8 rows: Qwen3 206.9 / 204.0).
+# Below it the split path loses (Qwen3 m = 8: 126.5 -> 139.9, m = 4: 78.3 -> 86.1; DeepSeek-V3 m = 4: 463.2 ->
+# 505.6) although the persistent kernel gains (135.5 -> 126.6, 84.6 -> 82.8, 488.4 -> 471.5); BENCHMARKS.md.
+ROUTED_ROWS4_MIN_M = 16
+
+
+def routed_rows(m, R, active):
+    """GEMM_ROWS of a routed chunk for m tokens, R = m * top_k (token, slot) rows over `active` <= E experts."""
+    rows = rows_for(ceil_div(R, max(1, active)))
+    return max(rows, 4) if m >= ROUTED_ROWS4_MIN_M else rows
+
+
 _COOP_SHAPE = dict(zip("MNK", COOP_SHAPE), A="float16", B="float16", C="float32", result="float32",
                    saturating=False, scope="subgroup")
 
@@ -240,7 +255,7 @@ def _moe_plan(device, m, top_k, E, H, I, gated, target_workgroups, coop, direct)
     if direct:  # a chunk per (token, slot) row
         rows, max_chunks, expected_chunks = 1, R, R
     else:  # the knob is for tuning the FMA path; the cooperative-matrix stages take chunks of their tile's rows
-        rows = COOP_MOE_ROWS if coop else knobs.get("VKMOE_MOE_ROWS") or rows_for(ceil_div(R, max(1, active)))
+        rows = COOP_MOE_ROWS if coop else knobs.get("VKMOE_MOE_ROWS") or routed_rows(m, R, active)
         max_chunks = active + ceil_div(R, rows)
         expected_chunks = max(active, ceil_div(R, rows))
     if target_workgroups is None:
