@@ -42,8 +42,9 @@ def test_store_crossover_stores_only_a_clear_result(bench, monkeypatch):
     from vkmoe.sched import residency
 
     stored = []
-    monkeypatch.setattr(residency, "store_crossover", lambda dev, shape, max_m, ev: stored.append((shape, max_m))
-                        or "/cache/residency.json")
+    monkeypatch.setattr(residency, "store_crossover", lambda dev, shape, max_m, ev, **kw: stored.append((shape, max_m))
+                        or kwargs.append(kw) or "/cache/residency.json")
+    kwargs = []
     # Persistent clearly faster at m=1 and 4, a tie at 16: the switch point is 4.
     doc = doc_for([row(1, "split", 50, 49, 51), row(1, "persistent", 40, 39, 41),
                    row(4, "split", 80, 79, 81), row(4, "persistent", 70, 69, 71),
@@ -51,8 +52,16 @@ def test_store_crossover_stores_only_a_clear_result(bench, monkeypatch):
     bench["store_crossover"](None, doc)
     assert stored == [("qwen3", 4)] and doc["crossover_max_m"] == 4
     assert doc["crossover_evidence"]["16"]["winner"] == "tie"
+    # and, for layers of this shape, every m where persistent won clearly (the tie at 16 is not a win)
+    assert kwargs == [dict(dims={"E": 128, "H": 2048, "I": 768, "top_k": 8}, measured=[1, 4, 16], wins=[1, 4])]
+    # A win past a loss: the switch point stays below the loss, the win is kept for this shape.
+    stored.clear(), kwargs.clear()
+    doc = doc_for([row(4, "split", 80, 79, 81), row(4, "persistent", 90, 89, 91),
+                   row(16, "split", 220, 219, 221), row(16, "persistent", 200, 199, 201)])
+    bench["store_crossover"](None, doc)
+    assert stored == [("qwen3", 0)] and kwargs[0]["wins"] == [16] and kwargs[0]["measured"] == [4, 16]
     # Every difference within the spread: nothing is stored.
-    stored.clear()
+    stored.clear(), kwargs.clear()
     doc = doc_for([row(1, "split", 50, 40, 60), row(1, "persistent", 49, 39, 59)])
     bench["store_crossover"](None, doc)
     assert stored == [] and doc["crossover_max_m"] is None

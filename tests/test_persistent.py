@@ -349,3 +349,38 @@ def test_auto_switch_point_comes_from_measurements(tmp_path, monkeypatch):
     monkeypatch.setenv("VKMOE_PERSISTENT_MAX_M", "nope")
     with pytest.raises(ValueError, match="VKMOE_PERSISTENT_MAX_M"):
         sched_plan.auto_switch_point(dev)
+
+
+def test_auto_follows_the_wins_measured_on_the_layers_shape(tmp_path, monkeypatch):
+    """A crossover stored with its shape's dims: a layer of exactly those dims goes persistent where persistent
+    won (between two measured batch sizes only if both won; above the largest measured, split); a layer of other
+    dims, or an entry whose wins are malformed, falls back to the smallest max_m over the shapes."""
+    monkeypatch.setenv("VKMOE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("VKMOE_PERSISTENT_MAX_M", raising=False)
+    dev = _fake_device()
+    qwen3 = {"E": 128, "H": 2048, "I": 768, "top_k": 8}
+    residency.store_crossover(dev, "qwen3", 0, {}, dims=qwen3, measured=[1, 2, 4, 8, 16, 32, 64], wins=[16, 32])
+    residency.store_crossover(dev, "deepseek", 2, {}, dims={"E": 256, "H": 7168, "I": 2048, "top_k": 8},
+                              measured=[1, 2, 4], wins=[1, 2])
+    wanted = {m: sched_plan.auto_prefers_persistent(dev, m, qwen3)[0] for m in (1, 4, 8, 12, 16, 24, 32, 48, 64, 65)}
+    assert wanted == {1: False, 4: False, 8: False, 12: False, 16: True, 24: True, 32: True, 48: False, 64: False,
+                      65: False}
+    assert "qwen3" in sched_plan.auto_prefers_persistent(dev, 16, qwen3)[1]
+    other = dict(qwen3, top_k=6)  # no entry of these dims: the smallest max_m (qwen3's 0)
+    assert [sched_plan.auto_prefers_persistent(dev, m, other)[0] for m in (1, 16)] == [False, False]
+    deepseek = {"E": 256, "H": 7168, "I": 2048, "top_k": 8}
+    assert [sched_plan.auto_prefers_persistent(dev, m, deepseek)[0] for m in (1, 2, 3, 4, 5)] == [
+        True, True, False, False, False]
+    monkeypatch.setenv("VKMOE_PERSISTENT_MAX_M", "20")  # the knob overrides every measurement
+    assert [sched_plan.auto_prefers_persistent(dev, m, qwen3)[0] for m in (1, 20, 21)] == [True, True, False]
+    monkeypatch.delenv("VKMOE_PERSISTENT_MAX_M")
+    path = residency.cache_path()
+    with open(path) as f:
+        data = json.load(f)
+    data[residency.device_key(dev)][residency.CROSSOVER_KEY]["shapes"]["qwen3"]["wins"] = [16, 17]  # 17 unmeasured
+    with open(path + ".new", "w") as f:
+        json.dump(data, f)
+    os.replace(path + ".new", path)
+    residency.forget_checks()
+    with pytest.warns(Warning, match="per-batch-size wins"):
+        assert sched_plan.auto_prefers_persistent(dev, 16, qwen3)[0] is False  # the max_m rule: 0

@@ -144,6 +144,28 @@ def auto_switch_point(device):
     return int(entry["max_m"]), f"measured crossover ({shape}, {entry.get('measured_at', '?')})"
 
 
+def auto_prefers_persistent(device, m, dims):
+    """(whether auto mode takes the persistent path for a batch of m tokens of a layer of `dims` ({"E", "H", "I",
+    "top_k"}), why). VKMOE_PERSISTENT_MAX_M first; then a crossover measured on a shape of exactly these dims: its
+    per-batch-size wins, where persistent beat split by more than the run-to-run spread (`tools/bench_moe
+    --store-crossover`). A batch size between two measured ones goes persistent only if both won, one below the
+    smallest measured follows the smallest, one above the largest runs split (nothing measured there). On the H200
+    persistent won at m = 16 only (BENCHMARKS.md, eleventh session), which a largest-m switch point cannot say.
+    Without such an entry: auto_switch_point (the smallest max_m over the shapes measured)."""
+    if knobs.get("VKMOE_PERSISTENT_MAX_M") is None:
+        for shape, entry in residency.crossover_entries(device).items():
+            if entry.get("dims") == dims:
+                measured, wins = entry["measured"], set(entry["wins"])
+                below = [x for x in measured if x <= m]
+                above = [x for x in measured if x >= m]
+                near = ([below[-1]] if below else []) + ([above[0]] if above else [])
+                won = bool(above) and all(x in wins for x in near)
+                return won, (f"measured on this layer's shape ({shape}, {entry.get('measured_at', '?')}): persistent "
+                             f"won at m = {sorted(wins) or 'none'} of {measured}")
+    limit, source = auto_switch_point(device)
+    return m <= limit, f"persistent only up to m={limit}: {source}"
+
+
 @dataclass(frozen=True)
 class Decision:
     """How one forward should run: sched's whole answer (ops runs it, checks it and falls back)."""
@@ -169,10 +191,9 @@ def decide(device, moe_plan, requested, E, H, I, gated, co_resident=lambda: None
         prefix = "persistent requested but not possible: " if requested == "persistent" else "auto: split: "
         return Decision("split", None, prefix + coop_split_reason(moe_plan))
     if requested == "auto":
-        limit, source = auto_switch_point(device)
-        if moe_plan.m > limit:
-            return Decision("split", None,
-                            f"auto: split for m={moe_plan.m} (persistent only up to m={limit}: {source})")
+        wanted, why = auto_prefers_persistent(device, moe_plan.m, dict(E=E, H=H, I=I, top_k=moe_plan.top_k))
+        if not wanted:
+            return Decision("split", None, f"auto: split for m={moe_plan.m} ({why})")
     plan = persistent_plan(device, moe_plan, E, H, I, gated, co_resident(), scratch_fits)
     if requested == "persistent":
         if plan.allowed:

@@ -185,9 +185,11 @@ def store(device, report):
 CROSSOVER_KEY = "moe-dispatch-crossover"
 
 
-def store_crossover(device, shape, max_m, evidence):
+def store_crossover(device, shape, max_m, evidence, dims=None, measured=None, wins=None):
     """Record, for this device, up to which batch size the persistent kernel beat the split path on a shape
-    (written by `tools/bench_moe --store-crossover`; read by auto mode). max_m = 0: it never won."""
+    (written by `tools/bench_moe --store-crossover`; read by auto mode). max_m = 0: it never won. With the
+    shape's `dims` ({"E", "H", "I", "top_k"}), the batch sizes `measured` and those where persistent won (`wins`),
+    auto mode follows those wins for layers of exactly these dims (sched.plan.auto_prefers_persistent)."""
     key = device_key(device)
     with _lock:
         data = _load(fresh=True)
@@ -195,8 +197,11 @@ def store_crossover(device, shape, max_m, evidence):
         entry = entries.get(CROSSOVER_KEY)
         if not isinstance(entry, dict) or entry.get("format") != FORMAT or not isinstance(entry.get("shapes"), dict):
             entry = entries[CROSSOVER_KEY] = {"format": FORMAT, "shapes": {}}
-        entry["shapes"][shape] = {"max_m": int(max_m), "evidence": evidence,
-                                  "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        record = {"max_m": int(max_m), "evidence": evidence, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        if dims is not None:
+            record.update(dims={k: int(dims[k]) for k in CROSSOVER_DIMS}, measured=sorted(int(m) for m in measured),
+                          wins=sorted(int(m) for m in wins))
+        entry["shapes"][shape] = record
         _save(data, key)
     return cache_path()
 
@@ -232,7 +237,24 @@ def _valid_crossovers(device, entry):
     good = {k: v for k, v in shapes.items() if isinstance(v, dict) and _is_count(v.get("max_m"))}
     if len(good) != len(shapes):
         warn(f"ignoring malformed crossover entries of {device.name}: {sorted(set(shapes) - set(good))}")
+    for name, v in good.items():
+        if "dims" in v and not _valid_wins(v):  # the max_m still counts, the per-m wins do not
+            warn(f"ignoring the per-batch-size wins of {device.name}'s crossover entry {name!r}: "
+                 "'dims', 'measured' or 'wins' malformed")
+            good[name] = {k: x for k, x in v.items() if k not in ("dims", "measured", "wins")}
     return good
+
+
+# What a crossover entry's per-m wins are matched on: a layer of exactly these sizes (not its bits or codebook)
+CROSSOVER_DIMS = ("E", "H", "I", "top_k")
+
+
+def _valid_wins(v):
+    dims, measured, wins = v.get("dims"), v.get("measured"), v.get("wins")
+    return (isinstance(dims, dict) and set(dims) == set(CROSSOVER_DIMS) and all(_is_count(x) for x in dims.values())
+            and isinstance(measured, list) and measured and all(_is_count(m) for m in measured)
+            and measured == sorted(set(measured)) and isinstance(wins, list) and set(wins) <= set(measured)
+            and all(_is_count(m) for m in wins))
 
 
 PIPELINES_KEY = "pipelines"
