@@ -143,5 +143,42 @@ def test_plan_chooses_direct_mode_for_small_batches_with_short_items(device, mon
     assert big.splits_gu == 2
 
 
+def test_routed_chunks_hold_four_rows_from_sixteen_tokens(device, monkeypatch):
+    """ops.plan.routed_rows: below ROUTED_ROWS4_MIN_M tokens a batch with no more rows than experts takes one row
+    per chunk (the split path was faster there), from it at least 4 (rows that pick one expert share a decode);
+    with more rows than experts the average rows per expert decides, as before."""
+    for name in ("VKMOE_MOE_DIRECT", "VKMOE_MOE_SPLITS", "VKMOE_MOE_ROWS", "VKMOE_COOPMAT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("VKMOE_COOPMAT", "off")  # the FMA path's chunks (the coop stages have their own tile)
+    qwen3, deepseek = (8, 128, 2048, 768, True), (8, 256, 7168, 2048, True)  # top_k, E, H, I, gated
+
+    def rows(m, shape):
+        p = ops_plan.moe_plan(device, m, *shape, target_workgroups=396)
+        assert not p.direct and p.max_chunks == min(shape[1], p.R) + -(-p.R // p.rows)
+        return p.rows
+
+    assert ops_plan.ROUTED_ROWS4_MIN_M == 16
+    assert [rows(m, qwen3) for m in (4, 8, 15, 16, 17, 32, 128)] == [1, 1, 1, 4, 4, 4, 8]
+    assert [rows(m, deepseek) for m in (4, 8, 15, 16, 32, 64)] == [1, 1, 1, 4, 4, 4]
+
+
+def test_linear_plans_keep_to_one_round(device, monkeypatch):
+    """ops.plan.gemm_plan takes the most k-splits whose grid stays within the target workgroups (one round of
+    resident workgroups), never a grid just past it (7168 x 2048 at m = 1: 16 bands x 24 splits = 384, where the
+    fewest splits reaching 396 gave 400), and always covers k."""
+    monkeypatch.setenv("VKMOE_COOPMAT", "off")
+    monkeypatch.delenv("VKMOE_LINEAR_DIRECT", raising=False)
+    for m, k, n in [(1, 7168, 2048), (1, 8192, 8192), (1, 2048, 7168), (2, 7168, 2048), (4, 8192, 8192),
+                    (16, 2048, 768), (1, 2048, 768), (3, 4096, 128)]:
+        p = ops_plan.gemm_plan(device, m, k, n, target_workgroups=396)
+        grid = (n // layout.BAND) * p.row_chunks * p.splits
+        assert p.splits * p.kt_per_split >= k // 16 > (p.splits - 1) * p.kt_per_split, (m, k, n, p)
+        assert grid <= 396 or p.splits == 1 or p.kt_per_split == 4, (m, k, n, p)  # 4: the shortest k-split
+        if p.splits > 1 and p.kt_per_split > 4 and not p.direct:
+            more = ops_plan._splits(device, k // 16, (n // layout.BAND) * p.row_chunks, 396, forced=p.splits + 1)
+            assert (n // layout.BAND) * p.row_chunks * more[0] > 396, (m, k, n, p)  # the most that fit
+    assert ops_plan.gemm_plan(device, 1, 7168, 2048, target_workgroups=396).splits == 24
+
+
 def test_routed_persistent_layers_exist():
     assert ROUTED_PERSISTENT <= {os.path.basename(p) for p in golden_files()}
