@@ -176,7 +176,7 @@ def gemm_plan(device, m, k, n, target_workgroups=None):
     # One round: at most target_workgroups (what stays resident), not the fewest splits that reach it. A grid just
     # past one round leaves its last few workgroups to a second round of their own (H200, m = 1: 7168 x 2048 in 400
     # workgroups 16.9 us, in 384 14.0-14.3; m = 2 / 4 22.8 / 25.0 -> 18.2 / 20.5; 8192 x 8192 31.2 -> 29.4-29.6;
-    # none slower; BENCHMARKS.md, eleventh session). The MoE's routed chunks gained nothing from it (their count is
+    # none slower; BENCHMARKS.md, twelfth session). The MoE's routed chunks gained nothing from it (their count is
     # an estimate).
     splits, kt_per_split = _splits(device, tiles_k, bands * row_chunks, target_workgroups,
                                    max_kt=DIRECT_MAX_KT if direct else None, one_round=True)

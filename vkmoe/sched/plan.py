@@ -150,7 +150,7 @@ def auto_prefers_persistent(device, m, dims):
     per-batch-size wins, where persistent beat split by more than the run-to-run spread (`tools/bench_moe
     --store-crossover`). A batch size between two measured ones goes persistent only if both won, one below the
     smallest measured follows the smallest, one above the largest runs split (nothing measured there). On the H200
-    persistent won at m = 16 only (BENCHMARKS.md, eleventh session), which a largest-m switch point cannot say.
+    persistent won at m = 16 only (BENCHMARKS.md, twelfth session), which a largest-m switch point cannot say.
     Without such an entry: auto_switch_point (the smallest max_m over the shapes measured)."""
     if knobs.get("VKMOE_PERSISTENT_MAX_M") is None:
         for shape, entry in residency.crossover_entries(device).items():
