@@ -245,7 +245,8 @@ def _valid_crossovers(device, entry):
     return good
 
 
-# What a crossover entry's per-m wins are matched on: a layer of exactly these sizes (not its bits or codebook)
+# What a crossover entry's per-m wins are matched on: a layer of exactly these sizes. Not its bits, codebook or
+# activation: a layer that differs only in those follows the shape's measurement (bench_moe runs one of each).
 CROSSOVER_DIMS = ("E", "H", "I", "top_k")
 
 
