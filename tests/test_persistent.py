@@ -384,3 +384,10 @@ def test_auto_follows_the_wins_measured_on_the_layers_shape(tmp_path, monkeypatc
     residency.forget_checks()
     with pytest.warns(Warning, match="per-batch-size wins"):
         assert sched_plan.auto_prefers_persistent(dev, 16, qwen3)[0] is False  # the max_m rule: 0
+    data[residency.device_key(dev)][residency.CROSSOVER_KEY]["shapes"]["qwen3"]["wins"] = [[16]]  # not a count
+    with open(path + ".new", "w") as f:
+        json.dump(data, f)
+    os.replace(path + ".new", path)
+    residency.forget_checks()
+    with pytest.warns(Warning, match="per-batch-size wins"):
+        assert sched_plan.auto_prefers_persistent(dev, 16, qwen3)[0] is False

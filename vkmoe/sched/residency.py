@@ -254,8 +254,8 @@ def _valid_wins(v):
     dims, measured, wins = v.get("dims"), v.get("measured"), v.get("wins")
     return (isinstance(dims, dict) and set(dims) == set(CROSSOVER_DIMS) and all(_is_count(x) for x in dims.values())
             and isinstance(measured, list) and measured and all(_is_count(m) for m in measured)
-            and measured == sorted(set(measured)) and isinstance(wins, list) and set(wins) <= set(measured)
-            and all(_is_count(m) for m in wins))
+            and measured == sorted(set(measured)) and isinstance(wins, list) and all(_is_count(m) for m in wins)
+            and set(wins) <= set(measured))
 
 
 PIPELINES_KEY = "pipelines"
