@@ -154,7 +154,7 @@ def test_routed_chunks_hold_four_rows_from_sixteen_tokens(device, monkeypatch):
 
     def rows(m, shape):
         p = ops_plan.moe_plan(device, m, *shape, target_workgroups=396)
-        assert not p.direct and p.max_chunks == min(shape[1], p.R) + -(-p.R // p.rows)
+        assert not p.direct and p.max_chunks == min(shape[1], p.R) + layout.ceil_div(p.R, p.rows)
         return p.rows
 
     assert ops_plan.ROUTED_ROWS4_MIN_M == 16

@@ -377,17 +377,11 @@ def test_auto_follows_the_wins_measured_on_the_layers_shape(tmp_path, monkeypatc
     path = residency.cache_path()
     with open(path) as f:
         data = json.load(f)
-    data[residency.device_key(dev)][residency.CROSSOVER_KEY]["shapes"]["qwen3"]["wins"] = [16, 17]  # 17 unmeasured
-    with open(path + ".new", "w") as f:
-        json.dump(data, f)
-    os.replace(path + ".new", path)
-    residency.forget_checks()
-    with pytest.warns(Warning, match="per-batch-size wins"):
-        assert sched_plan.auto_prefers_persistent(dev, 16, qwen3)[0] is False  # the max_m rule: 0
-    data[residency.device_key(dev)][residency.CROSSOVER_KEY]["shapes"]["qwen3"]["wins"] = [[16]]  # not a count
-    with open(path + ".new", "w") as f:
-        json.dump(data, f)
-    os.replace(path + ".new", path)
-    residency.forget_checks()
-    with pytest.warns(Warning, match="per-batch-size wins"):
-        assert sched_plan.auto_prefers_persistent(dev, 16, qwen3)[0] is False
+    for bad in ([16, 17], [[16]]):  # 17 was not measured; [16] is not a count
+        data[residency.device_key(dev)][residency.CROSSOVER_KEY]["shapes"]["qwen3"]["wins"] = bad
+        with open(path + ".new", "w") as f:
+            json.dump(data, f)
+        os.replace(path + ".new", path)
+        residency.forget_checks()
+        with pytest.warns(Warning, match="per-batch-size wins"):
+            assert sched_plan.auto_prefers_persistent(dev, 16, qwen3)[0] is False  # the max_m rule: 0

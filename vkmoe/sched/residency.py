@@ -241,13 +241,14 @@ def _valid_crossovers(device, entry):
         if "dims" in v and not _valid_wins(v):  # the max_m still counts, the per-m wins do not
             warn(f"ignoring the per-batch-size wins of {device.name}'s crossover entry {name!r}: "
                  "'dims', 'measured' or 'wins' malformed")
-            good[name] = {k: x for k, x in v.items() if k not in ("dims", "measured", "wins")}
+            good[name] = {k: x for k, x in v.items() if k not in _WIN_FIELDS}
     return good
 
 
 # What a crossover entry's per-m wins are matched on: a layer of exactly these sizes. Not its bits, codebook or
 # activation: a layer that differs only in those follows the shape's measurement (bench_moe runs one of each).
 CROSSOVER_DIMS = ("E", "H", "I", "top_k")
+_WIN_FIELDS = ("dims", "measured", "wins")  # what store_crossover adds to an entry for them
 
 
 def _valid_wins(v):
