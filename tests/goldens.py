@@ -102,3 +102,11 @@ def moe_call_args(layer: SimpleNamespace, **changes) -> dict:
                 down=layer.down, activation="silu")
     args.update(changes)
     return args
+
+
+def other_routing(call: dict, E: int, seed: int):
+    """Routing of the same shape as call's with other experts (distinct per token): a first call on it leaves
+    other numbers in every buffer of a layer before the call that is checked (poison)."""
+    rng = np.random.default_rng(seed)
+    m, top_k = call["selected"].shape
+    return np.stack([rng.permutation(E)[:top_k] for _ in range(m)])

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import vkmoe
-from goldens import golden_files, load_layer, rel_rms, reference_targets
+from goldens import golden_files, load_layer, other_routing, rel_rms, reference_targets
 from vkmoe import layout
 from vkmoe.ops import plan as ops_plan
 
@@ -48,10 +48,7 @@ def test_direct_mode_gives_the_routed_bits(device, monkeypatch, path):
     routed, direct = _layer(device, L), _layer(device, L)
     try:
         for call in L.calls:
-            # poison: a first call with other routing leaves other numbers in every buffer
-            rng = np.random.default_rng(7)
-            m, top_k = call["selected"].shape
-            other = np.stack([rng.permutation(routed.E)[:top_k] for _ in range(m)])
+            other = other_routing(call, routed.E, 7)  # poison: a first call on it fills every buffer
             for moe, setting in ((routed, "off"), (direct, "on")):
                 _first_call(monkeypatch, moe, setting, -call["x"], other, call["weights"])
             want = _run(routed, call, "split", "off")
@@ -125,7 +122,9 @@ def test_plan_chooses_direct_mode_for_small_batches_with_short_items(device, mon
 
     one = plan(1, qwen3)
     assert one.direct and one.rows == 1 and one.max_chunks == one.R
-    assert (one.splits_gu, one.splits_d) == (4, 3)  # at most 396 items per phase (one round), not at least 396
+    # at most 396 items per phase (one round), not at least 396; the down phase at most 264 (2 per SM) with stage 3
+    # in the down items (test_stage3_in_down.py)
+    assert (one.splits_gu, one.splits_d) == (4, 2)
     assert ops_plan.hadamard_blocks_spanned(one.kt_gu) <= ops_plan.DIRECT_AUTO_MAX_BLOCKS
     two = plan(2, qwen3)
     assert two.direct and (two.splits_gu, two.splits_d) == (2, 1)
@@ -182,3 +181,28 @@ def test_linear_plans_keep_to_one_round(device, monkeypatch):
 
 def test_routed_persistent_layers_exist():
     assert ROUTED_PERSISTENT <= {os.path.basename(p) for p in golden_files()}
+
+
+@pytest.mark.parametrize("name", sorted(ROUTED_PERSISTENT))
+def test_direct_mode_with_one_down_split(device, monkeypatch, name):
+    """One down k-split in direct mode (the plan's at m = 2 on the H200): a token's band counts one arrival per
+    valid slot, a single-split arrival takes no counter round trip (wg_last_arrival) but the token's counter still
+    does; the routed bits in both dispatch modes, and the counters back to 0 after each launch."""
+    L = load_layer(os.path.join(os.path.dirname(golden_files()[0]), name))
+    routed, direct = _layer(device, L), _layer(device, L)
+    try:
+        for call in L.calls:
+            for moe, setting in ((routed, "off"), (direct, "on")):
+                monkeypatch.setenv("VKMOE_MOE_DIRECT", setting)
+                monkeypatch.setenv("VKMOE_MOE_SPLITS", "2,1")
+                moe(-call["x"], call["selected"], call["weights"], dispatch="split")
+                assert moe.last_run["plan"]["splits_d"] == 1, moe.last_run["plan"]
+            want = _run(routed, call, "split", "off")
+            assert rel_rms(want, reference_targets(L, call)[0][1]) < 3e-3
+            for mode in ("split", "persistent", "persistent"):
+                assert np.array_equal(_bits(_run(direct, call, mode, "on")), _bits(want)), f"{mode}{call['suffix']}"
+            words = direct._scratch_for(*call["selected"].shape).sync.download(np.uint32)
+            assert not words.any(), np.nonzero(words)[0][:24]
+    finally:
+        routed.close()
+        direct.close()

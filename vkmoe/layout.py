@@ -35,6 +35,7 @@ ABORT_REASONS = {ABORT_SPIN: "a spin ran out of its bound", ABORT_LOCK: "a ticke
 SPEC_MOE_K_GATE, SPEC_MOE_K_UP, SPEC_MOE_K_DOWN, SPEC_MOE_CB, SPEC_MOE_ROWS, SPEC_MOE_ACT = 0, 1, 2, 3, 4, 5
 SPEC_MOE_DIRECT = 6     # direct mode: every (token, slot) row its own chunk, no routing pass (moe_stages.glsl)
 SPEC_MOE_PACED_SPIN = 7  # moe_persistent.comp: whole-workgroup spins, for a driver with a loop cap (moe_spin_paced)
+SPEC_MOE_STAGE3_IN_DOWN = 8  # stage 3 run by each down item for its own k-range, into its shared memory (moe_stages.glsl)
 # exl3_linear.comp and exl3_dequant.comp (the first two)
 SPEC_LINEAR_K, SPEC_LINEAR_CB, SPEC_LINEAR_ROWS, SPEC_LINEAR_HAS_BIAS, SPEC_LINEAR_DIRECT = 0, 1, 2, 3, 4
 # every decoding shader's f16 build (exl3_decode.glsl): the driver fuses the fp16 fma exactly
@@ -124,6 +125,9 @@ GEMM_RED_WORDS = 4 * 4 * BAND
 # block of packed fp16 pairs); a k-range of DIRECT_MAX_KT tiles spans at most DIRECT_MAX_KT / 8 + 1 blocks wherever
 # it starts.
 DIRECT_MAX_KT = 8 * (GEMM_RED_WORDS // (BAND // 2) - 1)
+# Stage 3 in the down items (SPEC_MOE_STAGE3_IN_DOWN): a down item's A is its chunk's rows x the 128-blocks of I its
+# k-range spans, stage 3 applied, in the same buffer: at most this many (row, block) units.
+STAGE3_IN_DOWN_MAX_UNITS = GEMM_RED_WORDS // (BAND // 2)
 
 # ------------------------------------------------------------------------ the device block (router, shared)
 # moe_router.comp's family (spec constant) and moe_block_elem.comp's operation (push constant `mode`)
@@ -190,7 +194,9 @@ def scratch_bytes(plan, H, I, clock=False):
         # partial_down in moe_stages.glsl: the persistent kernel runs a chunk's down GEMM while others are in
         # gate/up); the split dispatches need only the larger of the two ("partial_split")
         "partial": 4 * (2 * plan.splits_gu * P * I + plan.splits_d * P * H) + clock_bytes,
-        "partial_split": 4 * max(2 * plan.splits_gu * P * I, plan.splits_d * P * H),
+        # (both with stage 3 in the down items: their stage 3 reads the gate/up partials)
+        "partial_split": 4 * (2 * plan.splits_gu * P * I + plan.splits_d * P * H if plan.stage3_in_down
+                              else max(2 * plan.splits_gu * P * I, plan.splits_d * P * H)),
         "rows": 4 * (R * H),            # fp32 [R][H]: one row per (token, slot)
         "sync": 4 * sync_words(plan.m, plan.max_chunks, H, I),
     }
@@ -269,7 +275,7 @@ def _defines():
         yield f"CB_{name.upper()}", str(value)
     for name in ("SPIN", "LOCK", "BARRIER"):
         yield f"ABORT_{name}", f"{globals()['ABORT_' + name]}u"
-    for name in ("K_GATE", "K_UP", "K_DOWN", "CB", "ROWS", "ACT", "DIRECT", "PACED_SPIN"):
+    for name in ("K_GATE", "K_UP", "K_DOWN", "CB", "ROWS", "ACT", "DIRECT", "PACED_SPIN", "STAGE3_IN_DOWN"):
         yield f"SPEC_MOE_{name}", str(globals()["SPEC_MOE_" + name])
     for name in ("K", "CB", "ROWS", "HAS_BIAS", "DIRECT"):
         yield f"SPEC_LINEAR_{name}", str(globals()["SPEC_LINEAR_" + name])

@@ -27,15 +27,18 @@ bool wg_last_arrival(uint counter, uint arrivals) {
     // other workgroups' writes visible to the last arrival.
     WG_BARRIER_DEVICE();
     if (gl_LocalInvocationID.x == 0u) {
-        uint arrived = atomicAdd(LAST_ARRIVAL_BUF[counter], 1u, gl_ScopeQueueFamily, gl_StorageSemanticsBuffer,
-                                 gl_SemanticsAcquireRelease | gl_SemanticsMakeAvailable | gl_SemanticsMakeVisible);
+        // A single arrival (one k-split) is always the last: no round trip to the counter, which stays 0. The
+        // barriers still publish this workgroup's writes to its own invocations (the tail reads them).
+        uint arrived = arrivals == 1u ? 0u :
+            atomicAdd(LAST_ARRIVAL_BUF[counter], 1u, gl_ScopeQueueFamily, gl_StorageSemanticsBuffer,
+                      gl_SemanticsAcquireRelease | gl_SemanticsMakeAvailable | gl_SemanticsMakeVisible);
 #ifdef LAST_ARRIVAL_ALSO
         // The includer's own atomic (the persistent kernel takes its next work item's ticket), issued before the
         // arrival's result is used: both round trips to memory overlap.
         LAST_ARRIVAL_ALSO();
 #endif
         s_last[0] = uint(arrived == arrivals - 1u);
-        if (s_last[0] != 0u)
+        if (s_last[0] != 0u && arrivals != 1u)
             atomicStore(LAST_ARRIVAL_BUF[counter], 0u, gl_ScopeQueueFamily, gl_StorageSemanticsBuffer, gl_SemanticsRelaxed);
     }
     WG_BARRIER_DEVICE();
@@ -59,6 +62,7 @@ bool gemm_finish_partial(uint partial_base, uint row_stride, uint p0, uint nr, u
                 partial[partial_base + (p0 + r0 + rr) * row_stride + band * BAND + col] = gemm_red_sum(rr, col);
         }
     }
+    if (arrivals == 0u) return false;  // the caller needs no arrival: only the partial is written
     return wg_last_arrival(counter, arrivals);
 }
 #endif

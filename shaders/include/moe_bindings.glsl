@@ -13,6 +13,9 @@ layout(constant_id = SPEC_MOE_ROWS) const int GEMM_ROWS = 4;   // rows per GEMM 
 layout(constant_id = SPEC_MOE_ACT) const int ACT = 0;         // ACT_*
 // Direct mode (moe_stages.glsl): every (token, slot) row is its own chunk; no routing, no stage-1 pass.
 layout(constant_id = SPEC_MOE_DIRECT) const bool DIRECT = false;
+// Stage 3 in the down items (moe_stages.glsl, FMA builds only): the gate/up band tails only count their arrivals;
+// each down item applies stage 3 to the partials of its own k-range and multiplies from shared memory.
+layout(constant_id = SPEC_MOE_STAGE3_IN_DOWN) const bool STAGE3_IN_DOWN = false;
 
 #define GATED (ACT != ACT_RELU2)
 

@@ -32,6 +32,7 @@
 #define A_STATES 0
 #define A_INTER 1
 #define A_DIRECT 2
+#define A_STAGE3 3  // a down item's own stage-3 output in gemm_red (STAGE3_IN_DOWN)
 uvec4 gemm_a_word4(const int src, uint index);
 uint gemm_b_word(int src, uint index) {
     return src == 0 ? gate_trellis[index] : src == 1 ? up_trellis[index] : down_trellis[index];
@@ -209,7 +210,7 @@ uvec4 gemm_a_word4(const int src, uint index) { return src == A_STATES ? states4
 #else
 #include "exl3_gemm.glsl"
 uvec4 gemm_a_word4(const int src, uint index) {
-    if (src == A_DIRECT) {
+    if (src == A_DIRECT || src == A_STAGE3) {
         uint w = 4u * index;
         return uvec4(gemm_red[w], gemm_red[w + 1u], gemm_red[w + 2u], gemm_red[w + 3u]);
     }
@@ -447,7 +448,7 @@ uint moe_clock_base() { return 2u * pc.splits_gu * partial_rows() * pc.I + pc.sp
 // --------------------------------------------------------------------- stage 2 (+3): gate/up GEMM, activation
 uint gu_items_per_chunk() { return (pc.I / 128u) * gu_projections() * pc.splits_gu; }
 
-void moe_stage3(uint e, uint p0, uint q0, uint nr, uint band);
+void moe_stage3(uint e, uint p0, uint q0, uint nr, uint b0, uint nb, bool to_red);
 
 #ifndef MOE_COOP
 // The direct-mode gate/up item in flight: (row f, expert, projection, kt1) and kt0, set before its GEMM.
@@ -470,12 +471,24 @@ void moe_direct_stage1(uint f, uint e, uint proj, uint kt0, uint kt1) {
     barrier();  // the GEMM reads the whole row
 }
 
+// The down item in flight with STAGE3_IN_DOWN: (expert, first sorted row, first partial row, rows) and the
+// 128-blocks of I its k-range spans (first, count), set before its GEMM.
+uvec4 moe_stage3_item = uvec4(0u);
+uvec2 moe_stage3_blocks = uvec2(0u);
+
 void moe_after_prefetch(const int a_src) {
-    if (a_src == A_DIRECT)
+    if (a_src == A_DIRECT) {
         moe_direct_stage1(moe_direct_item.x, moe_direct_item.y, moe_direct_item.z, moe_direct_kt0, moe_direct_item.w);
+        return;
+    }
 #ifdef MOE_DEPENDENCY_WAITS
-    else if (moe_dep_target != 0u) moe_wait(moe_dep_word, moe_dep_target);
+    if (moe_dep_target != 0u) moe_wait(moe_dep_word, moe_dep_target);
 #endif
+    if (a_src == A_STAGE3) {  // the gate/up partials of this item's blocks are complete: stage 3 into gemm_red
+        moe_stage3(moe_stage3_item.x, moe_stage3_item.y, moe_stage3_item.z, moe_stage3_item.w,
+                   moe_stage3_blocks.x, moe_stage3_blocks.y, true);
+        barrier();  // the GEMM reads every unit
+    }
 }
 #endif
 
@@ -496,6 +509,11 @@ void moe_gate_up(uint item) {
     int k_bits = proj == 0u ? K_GATE : K_UP;
     uint b_base = e * tiles_k * tiles_n * 8u * uint(k_bits), q0 = partial_row0(c, p0);
     uint counter = counters_gu() + c * (pc.I / 128u) + band, arrivals = gu_projections() * pc.splits_gu;
+#ifndef MOE_COOP
+    // Split dispatches with stage 3 in the down items: nothing follows a band's partials in this dispatch, so no
+    // arrival is counted (gemm_finish_partial: 0 arrivals); the pipeline barrier publishes them.
+    if (STAGE3_IN_DOWN && pc.num_workgroups == 0u) arrivals = 0u;
+#endif
     uint base = (proj * pc.splits_gu + s) * partial_rows() * pc.I;
     // Each row's input lives at its (token, slot) index (see stage 1).
 #ifdef MOE_COOP
@@ -524,7 +542,8 @@ void moe_gate_up(uint item) {
     MOE_CLOCK_FIRST_GATE_UP(CLOCK_FIRST_GATE_UP_ARRIVAL);
 #endif
     if (last) {
-        moe_stage3(e, p0, q0, nr, band);
+        // With STAGE3_IN_DOWN the down items apply stage 3 themselves; the last arrival only says the band is done.
+        if (!STAGE3_IN_DOWN) moe_stage3(e, p0, q0, nr, band, 1u, false);
 #ifdef MOE_DEPENDENCY_WAITS
         moe_signal(counters_chunk_done() + c);  // one more 128-band of this chunk's down input is written
 #endif
@@ -541,19 +560,23 @@ uint gu_partial(uint proj, uint q, uint n0) { return (proj * pc.splits_gu * part
 
 float s3_gate[HAD_MAX_VALS];  // stage 3: g of this invocation's columns while up is transformed (module level and fixed size, as had_v)
 
-// Rows of one chunk, one 128-band of I, one row per Hadamard lane group and HAD_PASS_ROWS per pass:
+// Units (row, 128-block of I) of one chunk, one unit per Hadamard lane group and HAD_PASS_ROWS per pass:
 // u = had_out(Iu, up.svh), g = had_out(Ig, gate.svh), p = act(g) * u, inter = had_in(p, down.suh), where Ig and
 // Iu are the k-split sums of the GEMM partials (split order) rounded to fp16. The chunk's rows are sorted rows
-// p0 .., their partials rows q0 .. (partial_row0); rows past nr run on row nr - 1, dropped. Every lane runs the
-// same loops (on a valid row: Mesa 22.3's rule on loops beside barriers, see hadamard128.glsl).
+// p0 .., their partials rows q0 .. (partial_row0); the blocks b0 .. b0 + nb - 1, unit u = (row u / nb, block
+// b0 + u % nb). Written to inter (a gate/up band tail: nb = 1), or with to_red to gemm_red, unit u at word 64 u
+// (a down item's A under STAGE3_IN_DOWN: the same fp16 values inter would hold). Units past nr * nb run on the
+// last one, dropped. Every lane runs the same loops (on a valid unit: Mesa 22.3's rule on loops beside barriers,
+// see hadamard128.glsl).
 // Every load of a pass (both projections' partials and the three scale vectors) is issued before its first
 // transform: this tail is on the critical path of every decode step, and with each load behind the previous
 // transform it waited for several round trips to memory (4.7 of the 17.5 us of the Qwen3 shape's gate/up phase
 // at m = 1 on the H200, persistent kernel: BENCHMARKS.md).
-void moe_stage3(uint e, uint p0, uint q0, uint nr, uint band) {
-    uint n0 = band * 128u + had_col0(), se = e * pc.I + n0, stride = partial_rows() * pc.I;
-    for (uint r0 = 0u; r0 < nr; r0 += HAD_PASS_ROWS) {
-        uint r = r0 + had_row(), q = q0 + min(r, nr - 1u);
+void moe_stage3(uint e, uint p0, uint q0, uint nr, uint b0, uint nb, bool to_red) {
+    uint units = nr * nb, stride = partial_rows() * pc.I;
+    for (uint u0 = 0u; u0 < units; u0 += HAD_PASS_ROWS) {
+        uint unit = u0 + had_row(), uc = min(unit, units - 1u), r = uc / nb, q = q0 + r;
+        uint n0 = (b0 + uc % nb) * 128u + had_col0(), se = e * pc.I + n0;
         float gate_sv[HAD_MAX_VALS], up_sv[HAD_MAX_VALS], down_su[HAD_MAX_VALS], up_sum[HAD_MAX_VALS];
         [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) {
             gate_sv[j] = GATED ? f16_at(gate_svh[(se + j) >> 1], se + j) : 0.0;
@@ -579,9 +602,17 @@ void moe_stage3(uint e, uint p0, uint q0, uint nr, uint band) {
             had_v[j] = rn16(activate(s3_gate[j], u) * down_su[j]);
         }
         had_transform();
-        uint iw = ((p0 + r) * pc.I + n0) >> 1;
-        [[unroll]] for (uint j = 0u; j < HAD_VALS; j += 2u)
-            if (r < nr) inter[iw + j / 2u] = packHalf2x16(vec2(had_v[j], had_v[j + 1u]) * HAD_SCALE);
+        uint iw = to_red ? unit * 64u + had_col0() / 2u : ((p0 + r) * pc.I + n0) >> 1;
+        [[unroll]] for (uint j = 0u; j < HAD_VALS; j += 2u) {
+            uint w = packHalf2x16(vec2(had_v[j], had_v[j + 1u]) * HAD_SCALE);
+            if (unit < units) {
+#ifndef MOE_COOP  // (the cooperative-matrix builds have no gemm_red and never pass to_red)
+                if (to_red) gemm_red[iw + j / 2u] = w;
+                else
+#endif
+                    inter[iw + j / 2u] = w;
+            }
+        }
     }
 }
 
@@ -590,7 +621,10 @@ uint down_items_per_chunk() { return (pc.H / 128u) * pc.splits_d; }
 // In the persistent kernel (num_workgroups > 0) the down partials follow the gate/up partials ([2][splits_gu][R][I])
 // instead of reusing them: a chunk's down GEMM runs while other chunks are still in gate/up. The split dispatches
 // are separated by pipeline barriers and reuse the space (layout.scratch_bytes sizes both).
-uint partial_down() { return pc.num_workgroups != 0u ? 2u * pc.splits_gu * partial_rows() * pc.I : 0u; }
+// Stage 3 in the down items reads the gate/up partials during the down dispatch too.
+uint partial_down() {
+    return pc.num_workgroups != 0u || STAGE3_IN_DOWN ? 2u * pc.splits_gu * partial_rows() * pc.I : 0u;
+}
 
 void moe_stage5(uint e, uint p0, uint q0, uint nr, uint band);
 void moe_stage5_token(uint t, uint band);
@@ -619,19 +653,27 @@ void moe_down(uint item) {
               base + q0 * pc.H + band * BAND, pc.H);
     bool last = wg_last_arrival(counter, pc.splits_d);
 #else
-    [[unroll]] for (int r = 0; r < GEMM_ROWS; ++r) gemm_row_base[r] = (p0 + uint(r)) * (pc.I / 2u);
+    // STAGE3_IN_DOWN: A is the item's own stage-3 output in gemm_red, row r's blocks b0 .. at unit r * nb, so A
+    // word 8 kt of row r is gemm_red word 64 (r nb + kt / 8 - b0) + 8 (kt % 8).
+    uint b0 = kt0 / 8u, nb = (kt1 + 7u) / 8u - b0;
+    [[unroll]] for (int r = 0; r < GEMM_ROWS; ++r)
+        gemm_row_base[r] = STAGE3_IN_DOWN ? (uint(r) * nb - b0) * 64u : (p0 + uint(r)) * (pc.I / 2u);
+    moe_stage3_item = uvec4(e, p0, partial_row0(c, p0), nr);
+    moe_stage3_blocks = uvec2(b0, nb);
     gemm_clear();
 #ifdef MOE_DEPENDENCY_WAITS
     moe_dep_word = counters_chunk_done() + c;  // every 128-band of the chunk's inter (the down k dimension)
     moe_dep_target = pc.I / 128u;
 #endif
-    gemm_accumulate(A_INTER, 2, K_DOWN, CB, nr, b_base, tiles_n, band, kt0, kt1);
+    gemm_accumulate(STAGE3_IN_DOWN ? A_STAGE3 : A_INTER, 2, K_DOWN, CB, nr, b_base, tiles_n, band, kt0, kt1);
 #ifdef MOE_DEPENDENCY_WAITS
     // Past its wait (or a wait this workgroup already passed): one more of the chunk's down items is done with the
     // chunk's progress counter.
     uint dep_before = moe_users_begin(counters_chunk_users() + c);
 #endif
-    // Direct mode counts every (slot, k-split) of the token's band on one counter (moe_stage5_token).
+    // Direct mode counts every (slot, k-split) of the token's band on one counter (moe_stage5_token), also with
+    // one k-split: each item finishing its own row (moe_stage5) and only the token sum waiting was slower (H200,
+    // Qwen3 shape, split, m = 2: 44.8 vs 41.4 us; m = 1 with one down split 32.7 vs 30.3; BENCHMARKS.md).
     uint arrivals = DIRECT ? moe_token_slots(t) * pc.splits_d : pc.splits_d;
     if (DIRECT) counter = counters_tok() + t * (pc.H / 128u) + band;
     MOE_CLOCK_FIRST_DOWN(CLOCK_FIRST_DOWN_GEMM);

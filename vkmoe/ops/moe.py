@@ -50,13 +50,15 @@ class MoePush(PushConstants):
 
 
 
-def moe_spec(plan, bits, codebook, activation):
+def moe_spec(plan, bits, codebook, activation, persistent=False):
     """The specialization constants of the MoE shaders for batch plan `plan` (ops.plan.MoePlan) of a layer with
-    `bits` {"gate", "up", "down"} (gate 0: gateless), `codebook` and `activation`."""
+    `bits` {"gate", "up", "down"} (gate 0: gateless), `codebook` and `activation`; persistent: the persistent
+    kernel's (where stage 3 runs may differ between the paths: same bits, MoePlan.stage3_in_down*)."""
+    in_down = plan.stage3_in_down_persistent if persistent else plan.stage3_in_down
     return {layout.SPEC_MOE_K_GATE: bits["gate"] or bits["up"], layout.SPEC_MOE_K_UP: bits["up"],
             layout.SPEC_MOE_K_DOWN: bits["down"], layout.SPEC_MOE_CB: layout.CODEBOOKS[codebook],
             layout.SPEC_MOE_ROWS: plan.rows, layout.SPEC_MOE_ACT: ACTIVATIONS[activation],
-            layout.SPEC_MOE_DIRECT: plan.direct}
+            layout.SPEC_MOE_DIRECT: plan.direct, layout.SPEC_MOE_STAGE3_IN_DOWN: in_down}
 
 
 def split_kernels(device, plan, spec, H, I, gated):
@@ -455,8 +457,8 @@ class Exl3MoeMlp:
         return cls(device, gate, experts["up"], experts["down"], activation, act_limit, dispatch)
 
     # ----------------------------------------------------------------------------------------- recording
-    def _spec(self, plan):
-        return {**moe_spec(plan, self.bits, self.codebook, self.activation), **self._hadamard_pin(plan)}
+    def _spec(self, plan, persistent=False):
+        return {**moe_spec(plan, self.bits, self.codebook, self.activation, persistent), **self._hadamard_pin(plan)}
 
     def _hadamard_pin(self, plan):
         """{SPEC_HAD_SUBGROUP: 0} where this layer's pipelines must keep the shared-memory Hadamard transform:
@@ -538,7 +540,7 @@ class Exl3MoeMlp:
         return sets
 
     def _persistent_pipeline(self, plan):
-        return persistent_kernel(self.device, self._spec(plan), self.clock)
+        return persistent_kernel(self.device, self._spec(plan, persistent=True), self.clock)
 
     def co_resident(self, plan):
         """How many workgroups of the persistent pipeline for this batch plan the device keeps resident at once,

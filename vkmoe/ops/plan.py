@@ -7,7 +7,8 @@ import weakref
 
 from .. import knobs
 from ..layout import (BAND, COOP_KSTEP, COOP_MOE_ROWS, COOP_ROWS_NARROW, COOP_ROWS_WIDE, COOP_SHAPE, COOP_SUBGROUP,
-                      DIRECT_MAX_KT, MOE_ROWS_MAX, TILE, ceil_div, coop_moe_shared_bytes, coop_shared_bytes)
+                      DIRECT_MAX_KT, MOE_ROWS_MAX, STAGE3_IN_DOWN_MAX_UNITS, TILE, ceil_div, coop_moe_shared_bytes,
+                      coop_shared_bytes)
 from ..vk import VkmoeError
 from ..vk.pipeline import SPV_DIR
 
@@ -206,6 +207,10 @@ class MoePlan:
     kt_d: int
     coop: bool = False  # the GEMMs on cooperative matrices (moe_*_coop.comp): rows = COOP_MOE_ROWS, split only
     direct: bool = False  # direct mode (moe_stages.glsl): rows = 1, a chunk per (token, slot) row, no routing pass
+    # each down item runs stage 3 for its own k-range (SPEC_MOE_STAGE3_IN_DOWN): in the split dispatches, and in
+    # the persistent kernel
+    stage3_in_down: bool = False
+    stage3_in_down_persistent: bool = False
 
     @property
     def R(self):
@@ -266,6 +271,37 @@ def _moe_plan(device, m, top_k, E, H, I, gated, target_workgroups, coop, direct)
     splits_gu, kt_gu = _splits(device, H // TILE // step, expected_chunks * (I // BAND) * (2 if gated else 1),
                                target_workgroups, forced[0], max_kt=DIRECT_MAX_KT if direct else None,
                                one_round=direct)
-    splits_d, kt_d = _splits(device, I // TILE // step, expected_chunks * (H // BAND), target_workgroups, forced[1],
-                             one_round=direct)
-    return MoePlan(m, top_k, rows, max_chunks, splits_gu, kt_gu * step, splits_d, kt_d * step, coop, direct)
+    down_items = expected_chunks * (H // BAND)
+    in_down = None if coop else stage3_in_down(H)
+    if in_down and direct and forced[1] is None:
+        # one round of 2 workgroups per compute unit, not 3: a down item's stage 3 is a fixed cost per item (H200,
+        # Qwen3 shape, m = 1, split: 2 down splits 29.7 us, 3 31.3; with the band tails 31.4 / 31.8; BENCHMARKS.md)
+        target_d = max(1, target_workgroups * 2 // 3)
+    else:
+        target_d = target_workgroups
+    splits_d, kt_d = _splits(device, I // TILE // step, down_items, target_d, forced[1], one_round=direct)
+    fits = in_down is not None and rows * hadamard_blocks_spanned(kt_d) <= STAGE3_IN_DOWN_MAX_UNITS
+    return MoePlan(m, top_k, rows, max_chunks, splits_gu, kt_gu * step, splits_d, kt_d * step, coop, direct,
+                   stage3_in_down=fits, stage3_in_down_persistent=fits and in_down == "both")
+
+
+# Stage 3 in the down items pays for each (chunk, 128-block of I) once per 128-band of H (every down item of the
+# block redoes it): auto takes it for the split path up to this many bands. H200, tools/bench_moe, us, band tails ->
+# stage 3 in down: Qwen3-30B-A3B shape (16 bands) split m = 1 / 2 / 4 / 16 / 64 31.8 -> 31.3 / 43.9 -> 41.7 /
+# 78.3 -> 76.4 / 205.8 -> 202.5 / 468.7 -> 463.0 (m = 8 126.8 -> 127.7), persistent 1-3 % slower at m = 1..16;
+# DeepSeek-V3 (56 bands) 3-4 % slower in both modes (m = 1 split 142.6 -> 147.2); BENCHMARKS.md, thirteenth session.
+STAGE3_IN_DOWN_MAX_BANDS = 16
+
+
+def stage3_in_down(H):
+    """Where the down items run stage 3 themselves (VKMOE_MOE_STAGE3), given that their A fits the GEMM core's
+    shared buffer (checked by the caller): "both" (`down`: the split dispatches and the persistent kernel), "split"
+    (auto, for H of at most STAGE3_IN_DOWN_MAX_BANDS bands) or None (the band tails: `gate_up`, or auto above it).
+    A band's gate/up tail is then gone from the critical path (its last arrival only counts), and each down item
+    builds the stage-3 output of its own k-range while its first weights load, instead of reading it from inter."""
+    choice = knobs.get("VKMOE_MOE_STAGE3")
+    if choice == "gate_up":
+        return None
+    if choice == "down":
+        return "both"
+    return "split" if H // BAND <= STAGE3_IN_DOWN_MAX_BANDS else None

@@ -73,7 +73,9 @@ def work_loop_iterations(moe_plan, E, H, I, gated):
     # ~40 per Hadamard pass of the shared-memory transform (the one with loops), HAD_SHARED_ROWS rows a pass
     stage1 = layout.stage1_items(p.m, p.top_k, H) * layout.ceil_div(2 * layout.STAGE1_PAIRS_PER_ITEM, layout.HAD_SHARED_ROWS) * 40
     gate_up = p.max_chunks * layout.gate_up_items_per_chunk(I, gated, p.splits_gu) * (p.kt_gu // 4 + 80)
-    down = p.max_chunks * layout.down_items_per_chunk(H, p.splits_d) * (p.kt_d // 4 + 80)
+    # a down item's own stage 3 (stage3_in_down): its rows x blocks units, HAD_SHARED_ROWS a pass
+    stage3 = layout.ceil_div(p.rows * (p.kt_d // 8 + 2), layout.HAD_SHARED_ROWS) * 40 if p.stage3_in_down_persistent else 0
+    down = p.max_chunks * layout.down_items_per_chunk(H, p.splits_d) * (p.kt_d // 4 + 80 + stage3)
     return 2000 + stage1 + gate_up + down
 
 
