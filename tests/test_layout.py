@@ -129,6 +129,7 @@ def test_push_blocks_match_their_python_types(shader, push):
 def test_sizes_and_grids():
     class Plan:
         m, top_k, max_chunks, splits_gu, splits_d, rows, splits, row_chunks = 5, 3, 9, 2, 3, 4, 2, 2
+        stage3_in_down = False
 
     H, I = 384, 256
     R = 15
@@ -140,6 +141,10 @@ def test_sizes_and_grids():
     assert progress_end == 165 and layout.chunk_users_word(5, 9, H, I) == 192
     assert size["sync"] == 4 * (192 + 9)
     assert size["partial"] == 4 * (2 * 2 * R * I + 3 * R * H)     # gate/up partials, then down partials
+    assert size["partial_split"] == 4 * max(2 * 2 * R * I, 3 * R * H)  # the split dispatches reuse the space...
+    Plan.stage3_in_down = True  # ...unless the down items read the gate/up partials (stage 3 in the down items)
+    assert layout.scratch_bytes(Plan, H, I)["partial_split"] == size["partial"]
+    Plan.stage3_in_down = False
     route, gate_up, down = layout.split_grids(Plan, H, I, gated=True)
     assert route == (1 + layout.ceil_div(R * 3, layout.STAGE1_PAIRS_PER_ITEM), 1)
     assert gate_up == (2 * 2 * 2, 9) and down == (3 * 3, 9)
