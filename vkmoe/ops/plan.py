@@ -273,16 +273,19 @@ def _moe_plan(device, m, top_k, E, H, I, gated, target_workgroups, coop, direct)
                                one_round=direct)
     down_items = expected_chunks * (H // BAND)
     in_down = None if coop else stage3_in_down(H)
+
+    def fits(kt):  # a down item's A (its rows x the 128-blocks its k-range spans) in the GEMM core's shared buffer
+        return in_down is not None and rows * hadamard_blocks_spanned(kt) <= STAGE3_IN_DOWN_MAX_UNITS
+
+    splits_d, kt_d = _splits(device, I // TILE // step, down_items, target_workgroups, forced[1], one_round=direct)
     if in_down and direct and forced[1] is None:
         # one round of 2 workgroups per compute unit, not 3: a down item's stage 3 is a fixed cost per item (H200,
         # Qwen3 shape, m = 1, split: 2 down splits 29.7 us, 3 31.3; with the band tails 31.4 / 31.8; BENCHMARKS.md)
-        target_d = max(1, target_workgroups * 2 // 3)
-    else:
-        target_d = target_workgroups
-    splits_d, kt_d = _splits(device, I // TILE // step, down_items, target_d, forced[1], one_round=direct)
-    fits = in_down is not None and rows * hadamard_blocks_spanned(kt_d) <= STAGE3_IN_DOWN_MAX_UNITS
+        fewer = _splits(device, I // TILE, down_items, max(1, target_workgroups * 2 // 3), one_round=True)
+        if fits(fewer[1]):
+            splits_d, kt_d = fewer
     return MoePlan(m, top_k, rows, max_chunks, splits_gu, kt_gu * step, splits_d, kt_d * step, coop, direct,
-                   stage3_in_down=fits, stage3_in_down_persistent=fits and in_down == "both")
+                   stage3_in_down=fits(kt_d), stage3_in_down_persistent=fits(kt_d) and in_down == "both")
 
 
 # Stage 3 in the down items pays for each (chunk, 128-block of I) once per 128-band of H (every down item of the
