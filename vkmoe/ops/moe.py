@@ -5,6 +5,7 @@ routing prep + the stage bodies of shaders/include/moe_stages.glsl, either as sp
 barriers or as one persistent dispatch with spin barriers (vkmoe.sched decides; see docs/DESIGN.md).
 """
 from collections import OrderedDict
+import dataclasses
 import functools
 import threading
 import time
@@ -176,6 +177,9 @@ class _Scratch:
         # the batch runs split only (the split dispatches reuse the space).
         self.persistent_fits = size["partial"] <= device.memory.max_range
         if not self.persistent_fits:
+            if plan.stage3_in_down:  # its split path needs both GEMMs' partials too: the band tails instead
+                self.plan = plan = dataclasses.replace(plan, stage3_in_down=False, stage3_in_down_persistent=False)
+                size = layout.scratch_bytes(plan, H, I, clock)
             size["partial"] = size["partial_split"]
         self.sync_words = size["sync"] // 4
         # all or nothing: a batch too large for the device allocates nothing
