@@ -17,6 +17,7 @@ SPLITS = "2,2"  # both layers of a comparison must share their k-splits (the bit
 # golden layers whose routed persistent launch is checked too: two calls (m = 3 and 1), mixed bit widths under
 # each codebook, gateless relu2
 ROUTED_PERSISTENT = {"a_tiny_silu_k4.npz", "b_mixed_bits_g3u4d5.npz", "k_mcg_mixed_g5u3d6.npz", "d_relu2_gateless_k4.npz"}
+TINY_PATH = next(p for p in golden_files() if p.endswith("a_tiny_silu_k4.npz"))
 
 
 def _bits(a):
@@ -128,9 +129,10 @@ def test_plan_chooses_direct_mode_for_small_batches_with_short_items(device, mon
     assert ops_plan.hadamard_blocks_spanned(one.kt_gu) <= ops_plan.DIRECT_AUTO_MAX_BLOCKS
     two = plan(2, qwen3)
     assert two.direct and (two.splits_gu, two.splits_d) == (2, 1)
-    four = plan(4, qwen3)  # a direct item would span 16 blocks: routed, k-splits rounded up as before
-    assert not four.direct and (four.splits_gu, four.splits_d) == (2, 1)
-    assert not plan(1, deepseek).direct
+    four = plan(4, qwen3)  # H200: 67.8 us direct vs 76.2 routed (BENCHMARKS.md, fourteenth session)
+    assert four.direct and (four.splits_gu, four.splits_d) == (2, 1)
+    ds = plan(1, deepseek)  # more than one round of items, each at most 8 blocks (test below): 132.2 vs 143.3 us
+    assert ds.direct and (ds.splits_gu, ds.splits_d) == (7, 2)
     assert not plan(ops_plan.DIRECT_AUTO_MAX_M + 1, (8, 128, 512, 256, True)).direct
     monkeypatch.setenv("VKMOE_MOE_DIRECT", "off")
     assert not plan(1, qwen3).direct
@@ -157,8 +159,8 @@ def test_routed_chunks_hold_four_rows_from_sixteen_tokens(device, monkeypatch):
         return p.rows
 
     assert ops_plan.ROUTED_ROWS4_MIN_M == 16
-    assert [rows(m, qwen3) for m in (4, 8, 15, 16, 17, 32, 128)] == [1, 1, 1, 4, 4, 4, 8]
-    assert [rows(m, deepseek) for m in (4, 8, 15, 16, 32, 64)] == [1, 1, 1, 4, 4, 4]
+    assert [rows(m, qwen3) for m in (5, 8, 15, 16, 17, 32, 128)] == [1, 1, 1, 4, 4, 4, 8]  # m <= 4: direct
+    assert [rows(m, deepseek) for m in (5, 8, 15, 16, 32, 64)] == [1, 1, 1, 4, 4, 4]
 
 
 def test_linear_plans_keep_to_one_round(device, monkeypatch):
@@ -206,3 +208,56 @@ def test_direct_mode_with_one_down_split(device, monkeypatch, name):
     finally:
         routed.close()
         direct.close()
+
+
+def test_direct_splits_weigh_rounds_against_item_cost(device, monkeypatch):
+    """ops.plan._direct_splits: where one round of the target holds enough k-splits it takes the most that fit (the
+    one-round rule); where even one split needs more than a round it takes a few more splits (the DeepSeek-V3
+    shape at m = 1: 448 down items per split on 396 workgroups, 2 splits); a gate/up item spans at most
+    DIRECT_AUTO_MAX_BLOCKS Hadamard blocks; every k-range is whole 4-tile steps."""
+    monkeypatch.delenv("VKMOE_MOE_DIRECT", raising=False)
+    monkeypatch.delenv("VKMOE_MOE_SPLITS", raising=False)
+    qwen3, deepseek = (8, 128, 2048, 768, True), (8, 256, 7168, 2048, True)
+    one = ops_plan.moe_plan(device, 1, *deepseek, target_workgroups=396)
+    assert one.direct and (one.splits_gu, one.kt_gu, one.splits_d, one.kt_d) == (7, 64, 2, 64)
+    assert ops_plan.direct_max_kt_gu() == 64
+    assert ops_plan._direct_splits(device, 128, 96, 396, 64) == (4, 32)  # one round: the most splits that fit
+    assert ops_plan._direct_splits(device, 128, 448, 396, 128) == (2, 64)  # past one round unsplit: 2
+    assert ops_plan._direct_splits(device, 16, 4, 6, 64) == (1, 16)  # a round of 6 holds 1 split of 4 items
+    for m in (1, 2, 3, 4):
+        for shape in (qwen3, deepseek, (2, 8, 256, 128, True), (4, 16, 512, 384, False)):
+            p = ops_plan.moe_plan(device, m, *shape, target_workgroups=396)
+            if p.direct:
+                assert p.kt_gu % 4 == 0 and p.kt_d % 4 == 0, (m, shape, p)
+                assert p.splits_gu * p.kt_gu >= shape[2] // 16 > (p.splits_gu - 1) * p.kt_gu, (m, shape, p)
+                assert p.splits_d * p.kt_d >= shape[3] // 16 > (p.splits_d - 1) * p.kt_d, (m, shape, p)
+                assert ops_plan.hadamard_blocks_spanned(p.kt_gu) <= ops_plan.DIRECT_AUTO_MAX_BLOCKS, (m, shape, p)
+
+
+def test_forced_direct_splits_keep_whole_k_steps(device, monkeypatch):
+    """VKMOE_MOE_SPLITS in direct mode rounds each k-range up to whole 4-tile steps (ops.plan.direct_kt): forced
+    3 gate/up splits of the tiny layer's 16 k-tiles run as 2 of 8. Mesa 22.3's lavapipe left every persistent
+    output NaN with 3 splits of 6 tiles; here the persistent bits must equal split's, which equal routed mode's."""
+    L = load_layer(TINY_PATH)
+    direct, routed = _layer(device, L), _layer(device, L)
+    try:
+        call = next(c for c in L.calls if c["suffix"] == "_m1")
+        monkeypatch.setenv("VKMOE_MOE_SPLITS", "3,1")
+        for moe, setting in ((direct, "on"), (routed, "off")):
+            monkeypatch.setenv("VKMOE_MOE_DIRECT", setting)
+            moe(-call["x"], call["selected"], call["weights"], dispatch="split")
+        assert (direct.last_run["plan"]["splits_gu"], direct.last_run["plan"]["kt_gu"]) == (2, 8), direct.last_run
+        monkeypatch.setenv("VKMOE_MOE_SPLITS", "2,1")  # the routed layer planned 3 splits of 6: give it direct's
+        routed2 = _layer(device, L)
+        try:
+            monkeypatch.setenv("VKMOE_MOE_DIRECT", "off")
+            want = _run(routed2, call, "split", "off")
+        finally:
+            routed2.close()
+        assert rel_rms(want, reference_targets(L, call)[0][1]) < 3e-3
+        for mode in ("split", "persistent"):
+            got = _run(direct, call, mode, "on")
+            assert np.all(np.isfinite(got)) and np.array_equal(_bits(got), _bits(want)), mode
+    finally:
+        direct.close()
+        routed.close()

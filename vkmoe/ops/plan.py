@@ -19,16 +19,23 @@ CAPPED_K_ITERATIONS = 128
 
 # Largest batch that VKMOE_MOE_DIRECT=auto runs in direct mode (every (token, slot) row its own chunk, no routing
 # pass). Direct mode saves a dispatch (split) or a grid-wide dependency (persistent) but reads an expert's weights
-# once per row that picked it, so it pays once experts repeat within the batch.
-# Measured on the H200 (BENCHMARKS.md): direct mode wins where its gate/up items stay short, so auto also needs
-# their k-range to span at most DIRECT_AUTO_MAX_BLOCKS Hadamard blocks (the stage 1 each item redoes): the
-# Qwen3-30B-A3B shape at m = 1 (34.7 vs 39.1 us) and m = 2 (47.6 vs 53.0); not at m = 4 (16 blocks: 78.9 vs 74.8),
-# nor the DeepSeek-V3 shape (28 blocks: 144.6 vs 140.6 at m = 1). Direct items are short, so its k-splits keep
-# each phase within one round of the target workgroups rather than reaching it: a second round of items costs more
-# than a longer k-range there (Qwen3 m = 1: 4 and 3 splits 34.7 us split / 36.3 persistent, vs 5 and 4: 35.8 /
-# 44.3; m = 2: 2 and 1 splits 47.5 / 52.7, vs 2 and 2: 47.6 / 54.9, vs 3 and 2: 52.5 / 60.0).
+# once per row that picked it, so it pays once experts repeat within the batch. A direct gate/up item redoes the
+# stage 1 of the Hadamard blocks its k-range spans, so its k-range spans at most DIRECT_AUTO_MAX_BLOCKS of them
+# (direct_max_kt_gu), in as many rounds of items as that takes (_direct_splits). Measured on the H200, split /
+# persistent, us (BENCHMARKS.md, fourteenth session; VKMOE_MOE_DIRECT auto vs off): Qwen3-30B-A3B shape m = 1
+# 29.4 / 32.6 vs 43.7 / 46.4, m = 2 41.3 / 45.6 vs 55.3 / 57.6, m = 3 58.6 / 60.2 vs 74.8 / 72.7, m = 4 67.9 / 72.5
+# vs 76.2 / 84.4; DeepSeek-V3 shape (7 gate/up splits of 8 blocks, several rounds) m = 1 132.5 / 141.6 vs 143.3 /
+# 150.0, m = 2 238.6 / 264.2 vs 247.1 / 270.0, m = 4 452.8 / 505.7 vs 454.8 / 482.9 (persistent slower there; auto
+# runs split at that size). Before, direct items kept to one round of the grid, so the DeepSeek-V3 shape (28 blocks
+# per item) and the Qwen3 shape at m = 4 (16 blocks) ran routed.
 DIRECT_AUTO_MAX_M = 4
 DIRECT_AUTO_MAX_BLOCKS = 8
+# A direct-mode item's fixed cost (launch share, its partial and arrival, its tail; a gate/up item's own stage 1), in
+# units of one unsplit item's k-loop: _direct_splits weighs rounds of the grid against it. Fitted on the H200
+# (DeepSeek-V3 shape, m = 1, split, gate/up 8 k-splits; BENCHMARKS.md, fourteenth session): 1 / 2 / 3 / 4 down
+# k-splits (448 items each, so even one split is more than one round of 396) 136.7 / 132.6 / 136.7 / 137.1 us,
+# which the model orders right for any cost between 1/6 and 1/2.
+DIRECT_ITEM_COST = 0.25
 
 
 @dataclass(frozen=True)
@@ -235,6 +242,42 @@ def _splits(device, tiles_k, work, target, forced=None, max_kt=None, one_round=F
     return ceil_div(tiles_k, kt), kt
 
 
+def _direct_splits(device, tiles_k, work, target, max_kt):
+    """(k-splits, k-tiles per split) of a direct-mode phase of `work` items per split: the split count that
+    minimizes rounds x (1 / splits + DIRECT_ITEM_COST), rounds being how many grids of `target` workgroups the
+    items fill (the last one partly), with at least 4 and at most `max_kt` k-tiles per split; the fewer splits on
+    a tie. Where one round holds enough splits this is the most that fit in it (the one-round rule of the linear);
+    where even one split needs more than a round (the DeepSeek-V3 shape's down items at m = 1), a few more splits
+    shorten the partly filled last round. Capped where the driver has a loop cap (as _splits)."""
+    if device.quirks.get("loop_iteration_cap"):
+        max_kt = min(max_kt, 4 * CAPPED_K_ITERATIONS)
+    best = None
+    for wanted in range(1, max(1, tiles_k // 4) + 1):
+        kt = direct_kt(ceil_div(tiles_k, wanted))
+        splits = ceil_div(tiles_k, kt)
+        if kt > max_kt:
+            continue
+        cost = ceil_div(splits * work, target) * (1.0 / splits + DIRECT_ITEM_COST)
+        if best is None or cost < best[0] - 1e-9:
+            best = (cost, splits, kt)
+    return best[1], best[2]
+
+
+def direct_kt(kt):
+    """A direct-mode k-range rounded up to whole k-slice steps of the GEMM core (4 tiles): then every slot of a
+    workgroup runs the same number of k-loop iterations. Mesa 22.3's lavapipe miscompiles the persistent kernel's
+    direct-mode items otherwise (a gate/up k-range of 6 tiles left every output NaN; Mesa 25 and the split path
+    were right; tests/test_direct.py)."""
+    return ceil_div(kt, 4) * 4
+
+
+def direct_max_kt_gu():
+    """The longest k-range of a direct-mode gate/up item: its input row fits the GEMM core's shared buffer
+    (layout.DIRECT_MAX_KT) and spans at most DIRECT_AUTO_MAX_BLOCKS Hadamard blocks (the stage 1 each item redoes
+    before its first multiply) wherever it starts."""
+    return max(kt for kt in range(4, DIRECT_MAX_KT + 1) if hadamard_blocks_spanned(kt) <= DIRECT_AUTO_MAX_BLOCKS)
+
+
 def hadamard_blocks_spanned(kt):
     """The most 128-blocks a k-range of kt tiles (8 per block) spans, wherever a split starts: the stage-1 work a
     direct-mode gate/up item does before its first multiply."""
@@ -249,7 +292,7 @@ def moe_plan(device, m, top_k, E, H, I, gated, target_workgroups=None):
     choice = knobs.get("VKMOE_MOE_DIRECT")
     if not coop and (choice == "on" or (choice == "auto" and m <= DIRECT_AUTO_MAX_M)):
         plan = _moe_plan(device, m, top_k, E, H, I, gated, target_workgroups, coop=False, direct=True)
-        if choice == "on" or hadamard_blocks_spanned(plan.kt_gu) <= DIRECT_AUTO_MAX_BLOCKS:
+        if choice == "on" or hadamard_blocks_spanned(plan.kt_gu) <= DIRECT_AUTO_MAX_BLOCKS:  # (forced splits)
             return plan
     return _moe_plan(device, m, top_k, E, H, I, gated, target_workgroups, coop=coop, direct=False)
 
@@ -268,22 +311,35 @@ def _moe_plan(device, m, top_k, E, H, I, gated, target_workgroups, coop, direct)
     forced = knobs.get("VKMOE_MOE_SPLITS") or (None, None)  # a tuning knob, like VKMOE_MOE_ROWS
     # the cooperative-matrix stages split k in whole k-steps of COOP_KSTEP tiles (as _coop_plan)
     step = COOP_KSTEP if coop else 1
-    splits_gu, kt_gu = _splits(device, H // TILE // step, expected_chunks * (I // BAND) * (2 if gated else 1),
-                               target_workgroups, forced[0], max_kt=DIRECT_MAX_KT if direct else None,
-                               one_round=direct)
+    gu_items = expected_chunks * (I // BAND) * (2 if gated else 1)
     down_items = expected_chunks * (H // BAND)
+    if direct and forced[0] is None:
+        splits_gu, kt_gu = _direct_splits(device, H // TILE, gu_items, target_workgroups, direct_max_kt_gu())
+    else:
+        splits_gu, kt_gu = _splits(device, H // TILE // step, gu_items, target_workgroups, forced[0],
+                                   max_kt=DIRECT_MAX_KT if direct else None)
+        if direct:  # forced k-splits
+            kt_gu = direct_kt(kt_gu)
+            splits_gu = ceil_div(H // TILE, kt_gu)
     in_down = None if coop else stage3_in_down(H)
 
     def fits(kt):  # a down item's A (its rows x the 128-blocks its k-range spans) in the GEMM core's shared buffer
         return in_down is not None and rows * hadamard_blocks_spanned(kt) <= STAGE3_IN_DOWN_MAX_UNITS
 
-    splits_d, kt_d = _splits(device, I // TILE // step, down_items, target_workgroups, forced[1], one_round=direct)
+    if direct and forced[1] is None:
+        splits_d, kt_d = _direct_splits(device, I // TILE, down_items, target_workgroups, I // TILE)
+    else:
+        splits_d, kt_d = _splits(device, I // TILE // step, down_items, target_workgroups, forced[1])
+        if direct:  # forced k-splits
+            kt_d = direct_kt(kt_d)
+            splits_d = ceil_div(I // TILE, kt_d)
     if in_down and direct and forced[1] is None:
         # one round of 2 workgroups per compute unit, not 3: a down item's stage 3 is a fixed cost per item (H200,
         # Qwen3 shape, m = 1, split: 2 down splits 29.7 us, 3 31.3; with the band tails 31.4 / 31.8; BENCHMARKS.md)
-        fewer = _splits(device, I // TILE, down_items, max(1, target_workgroups * 2 // 3), one_round=True)
-        if fits(fewer[1]):
-            splits_d, kt_d = fewer
+        fewer_kt = direct_kt(_splits(device, I // TILE, down_items, max(1, target_workgroups * 2 // 3),
+                                     one_round=True)[1])
+        if fits(fewer_kt):
+            splits_d, kt_d = ceil_div(I // TILE, fewer_kt), fewer_kt
     return MoePlan(m, top_k, rows, max_chunks, splits_gu, kt_gu * step, splits_d, kt_d * step, coop, direct,
                    stage3_in_down=fits(kt_d), stage3_in_down_persistent=fits(kt_d) and in_down == "both")
 
