@@ -253,8 +253,7 @@ def _direct_splits(device, tiles_k, work, target, max_kt):
         max_kt = min(max_kt, 4 * CAPPED_K_ITERATIONS)
     best = None
     for wanted in range(1, max(1, tiles_k // 4) + 1):
-        kt = direct_kt(ceil_div(tiles_k, wanted))
-        splits = ceil_div(tiles_k, kt)
+        splits, kt = _whole_steps(tiles_k, ceil_div(tiles_k, wanted))
         if kt > max_kt:
             continue
         cost = ceil_div(splits * work, target) * (1.0 / splits + DIRECT_ITEM_COST)
@@ -269,6 +268,12 @@ def direct_kt(kt):
     direct-mode items otherwise (a gate/up k-range of 6 tiles left every output NaN; Mesa 25 and the split path
     were right; tests/test_direct.py)."""
     return ceil_div(kt, 4) * 4
+
+
+def _whole_steps(tiles_k, kt):
+    """(k-splits, k-tiles per split) covering tiles_k with k-ranges of kt tiles rounded up by direct_kt."""
+    kt = direct_kt(kt)
+    return ceil_div(tiles_k, kt), kt
 
 
 def direct_max_kt_gu():
@@ -319,8 +324,7 @@ def _moe_plan(device, m, top_k, E, H, I, gated, target_workgroups, coop, direct)
         splits_gu, kt_gu = _splits(device, H // TILE // step, gu_items, target_workgroups, forced[0],
                                    max_kt=DIRECT_MAX_KT if direct else None)
         if direct:  # forced k-splits
-            kt_gu = direct_kt(kt_gu)
-            splits_gu = ceil_div(H // TILE, kt_gu)
+            splits_gu, kt_gu = _whole_steps(H // TILE, kt_gu)
     in_down = None if coop else stage3_in_down(H)
 
     def fits(kt):  # a down item's A (its rows x the 128-blocks its k-range spans) in the GEMM core's shared buffer
@@ -331,15 +335,14 @@ def _moe_plan(device, m, top_k, E, H, I, gated, target_workgroups, coop, direct)
     else:
         splits_d, kt_d = _splits(device, I // TILE // step, down_items, target_workgroups, forced[1])
         if direct:  # forced k-splits
-            kt_d = direct_kt(kt_d)
-            splits_d = ceil_div(I // TILE, kt_d)
+            splits_d, kt_d = _whole_steps(I // TILE, kt_d)
     if in_down and direct and forced[1] is None:
         # one round of 2 workgroups per compute unit, not 3: a down item's stage 3 is a fixed cost per item (H200,
         # Qwen3 shape, m = 1, split: 2 down splits 29.7 us, 3 31.3; with the band tails 31.4 / 31.8; BENCHMARKS.md)
-        fewer_kt = direct_kt(_splits(device, I // TILE, down_items, max(1, target_workgroups * 2 // 3),
-                                     one_round=True)[1])
-        if fits(fewer_kt):
-            splits_d, kt_d = ceil_div(I // TILE, fewer_kt), fewer_kt
+        fewer = _whole_steps(I // TILE, _splits(device, I // TILE, down_items, max(1, target_workgroups * 2 // 3),
+                                                one_round=True)[1])
+        if fits(fewer[1]):
+            splits_d, kt_d = fewer
     return MoePlan(m, top_k, rows, max_chunks, splits_gu, kt_gu * step, splits_d, kt_d * step, coop, direct,
                    stage3_in_down=fits(kt_d), stage3_in_down_persistent=fits(kt_d) and in_down == "both")
 
