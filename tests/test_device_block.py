@@ -165,6 +165,59 @@ def test_one_token_linears_in_direct_mode_give_the_same_bits(blocks, device, key
             a.close()
 
 
+def _recorded_phases(device, block, x, m):
+    """The shaders each phase of block's recording dispatches (phases end at a barrier), and the block's output."""
+    phases, current = [], []
+    with DeviceArray.from_numpy(device, x) as xd, _poisoned(device, m) as out, CommandRecorder(device) as rec:
+        dispatch, barrier = rec.dispatch, rec.barrier
+        rec.dispatch = lambda pipe, *a, **kw: current.append(pipe.name) or dispatch(pipe, *a, **kw)
+        rec.barrier = lambda: (phases.append(list(current)), current.clear(), barrier())
+        rec.begin()
+        sets = block.device_block.record_buffers(rec, xd.buffer, False, None, out.buffer, m, pin=False)
+        rec.end()
+        rec.submit(wait=True)
+        for d in sets:
+            d.free()
+        return phases, out.numpy()
+
+
+@pytest.mark.parametrize("direct", ["on", "off"])
+@pytest.mark.parametrize("m", [1, 3])
+def test_shared_down_gemm_runs_beside_the_routed_down(device, tmp_path, monkeypatch, m, direct):
+    """The shared expert's chain ends with the routed experts' (its down GEMM in the routed down GEMM's phase, then
+    the sum) whether the routed op has three split dispatches or two (direct mode) and whether the shared down has
+    an input Hadamard (m > 1) or not (m = 1): no phase holds the shared down GEMM alone. Output == the call's."""
+    monkeypatch.setenv("VKMOE_MOE_DIRECT", direct)  # (read when the block's routed op first plans this m)
+    path = write_checkpoint(str(tmp_path / "ds"), arch="deepseek_v3", hidden=H, intermediate=128, seed=41,
+                            **ARCHS["deepseek_v3"])
+    block = SparseMoeBlock.from_checkpoint(path, 0, backend="vulkan", device=device)
+    try:
+        x = _hidden(m, seed=m)
+        want = block(x)
+        routed = block.device_block.moe
+        assert routed._scratch_for(m, ARCHS["deepseek_v3"]["top_k"]).plan.direct is (direct == "on")
+        phases, got = _recorded_phases(device, block, x, m)
+        assert np.array_equal(got, want)
+
+        def has(phase, shader):  # (a shader's name carries its build: moe_down_f16, exl3_linear_idot, ...)
+            return any(n.startswith(shader) for n in phase)
+
+        router = [i for i, p in enumerate(phases) if has(p, "moe_router")]
+        down = [i for i, p in enumerate(phases) if has(p, "moe_down")]
+        assert len(router) == 1 and len(down) == 1 and phases[-1] == ["moe_block_elem"], phases
+        # the shared down GEMM beside the routed down, and no shared GEMM after it
+        assert sum(n.startswith("exl3_linear") for n in phases[down[0]]) == 1, phases
+        assert down[0] == len(phases) - 2, phases
+        # between the router and the routed down: the routed op's other dispatches (routing unless direct, then
+        # gate/up), each phase holding one; before them, at most the shared activation alone (direct mode)
+        middle = phases[router[0] + 1:down[0]]
+        routed = [i for i, p in enumerate(middle) if has(p, "moe_route") or has(p, "moe_gate_up")]
+        assert len(routed) == (1 if direct == "on" else 2) and routed[-1] == len(middle) - 1, phases
+        assert all(p == ["moe_block_elem"] for p in middle[:routed[0]]) and routed[0] <= 1, phases
+    finally:
+        block.close()
+
+
 def test_chain_of_blocks_in_one_submission(blocks, device):
     """Three layers recorded back to back (each reads the previous one's fp32 output; the middle one a LatentMoE
     block) == one by one, with device arrays passed between the calls, and == numpy calls."""

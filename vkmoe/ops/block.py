@@ -9,15 +9,16 @@ Phases (one barrier after each; the dispatches inside a phase are independent), 
     routed: gate/up GEMM, shared down input Hadamard
     routed: down GEMM, shared down GEMM
     [Gemma 4: routed-out RMSNorm] -> out += shared (· sigmoid(gate)) (Gemma 4: += RMSNorm(shared))
-Without a shared expert: router, then the routed experts' three. A persistent routed launch runs alone, after the
-shared expert's phases. At m = 1 the shared (and latent) linears have no input Hadamard dispatches (the linear's
+The routed and the shared chains end together (the shared down GEMM beside the routed down): with the routed
+experts in direct mode (two dispatches, no routing pass) the shared activation runs beside the routed gate/up GEMM
+at m = 1 and in a phase of its own before it at m > 1. Without a shared expert: router, then the routed experts'
+dispatches. A persistent routed launch runs alone, after the shared expert's phases. At m = 1 the shared (and latent) linears have no input Hadamard dispatches (the linear's
 direct mode: ops.plan.gemm_plan), so their phases hold only the GEMMs; an empty phase is skipped.
 NemotronH's LatentMoE: fc1_latent_proj's input Hadamard joins the router phase and its GEMM the next (with the
 shared up GEMM), so the routed experts start one phase later and run at the latent width L into an fp32 (m, L)
 sum; then fp16(sum), fc2_latent_proj's Hadamard, its GEMM and out = fp32(fc2), each a phase, before the shared sum.
 """
 from collections import OrderedDict
-import itertools
 import threading
 
 import numpy as np
@@ -166,7 +167,10 @@ class DeviceMoeBlock:
         # selection) rather than beside the short routing pass.
         shared = self._shared_phases(x16, s, m) if self.shared else [[], []]
         early = [shared[0]] if self.shared else []
-        first, rest, routed_out, ahead = steps + shared[1], shared[2:], out_buf, []
+        # (a shared phase with no step, down's input Hadamard of a direct-mode linear at m = 1, is dropped: it
+        # would take a place in the alignment below)
+        rest = [phase for phase in shared[2:] if any(step is not None for step in phase)]
+        first, routed_out, ahead = steps + shared[1], out_buf, []
         if self.latent is not None:  # fc1 beside the router and the shared expert's first GEMMs
             fc1 = self.latent["in"].stages(experts_in, s.xl, m)
             first.append(fc1[0])
@@ -175,7 +179,12 @@ class DeviceMoeBlock:
         if mode == "split":
             routed = [[st] for st in self.moe.split_stages(experts_in, s.ids, s.weights, routed_out, m,
                                                           self.top_k)]
-            later = ahead + [r + sh for r, sh in itertools.zip_longest(routed, rest, fillvalue=[])]
+            # The two chains end together: the shared down GEMM beside the routed down (the cheaper neighbour,
+            # measured: see _shared_phases), and where one chain is longer its first phases run alone. A shared
+            # chain longer than the routed one (direct mode: two dispatches; act, down's Hadamard, down's GEMM)
+            # so starts with the short activation alone instead of ending with the shared down GEMM alone.
+            n = max(len(routed), len(rest))
+            later = ahead + [r + sh for r, sh in zip([[]] * (n - len(routed)) + routed, [[]] * (n - len(rest)) + rest)]
         else:  # a persistent launch wants the whole device: nothing runs beside it
             def persistent(cmd):
                 self.moe.record(cmd, experts_in, s.ids, s.weights, routed_out, m, self.top_k, mode=mode)
