@@ -302,6 +302,16 @@ def moe_plan(device, m, top_k, E, H, I, gated, target_workgroups=None):
     return _moe_plan(device, m, top_k, E, H, I, gated, target_workgroups, coop=coop, direct=False)
 
 
+def _phase_splits(device, tiles_k, items, target, forced, direct, step, direct_max_kt, forced_max_kt):
+    """(splits, k-tiles per split) of one GEMM phase of k = tiles_k tiles: direct mode's rule (_direct_splits,
+    k-ranges of at most direct_max_kt tiles) unless forced; otherwise _splits in k-steps of `step` tiles (at most
+    forced_max_kt per split), a direct-mode range rounded up to whole 4-tile steps (_whole_steps)."""
+    if direct and forced is None:
+        return _direct_splits(device, tiles_k, items, target, direct_max_kt)
+    splits, kt = _splits(device, tiles_k // step, items, target, forced, max_kt=forced_max_kt)
+    return _whole_steps(tiles_k, kt) if direct else (splits, kt)
+
+
 def _moe_plan(device, m, top_k, E, H, I, gated, target_workgroups, coop, direct):
     R = m * top_k
     active = min(E, R)
@@ -318,24 +328,15 @@ def _moe_plan(device, m, top_k, E, H, I, gated, target_workgroups, coop, direct)
     step = COOP_KSTEP if coop else 1
     gu_items = expected_chunks * (I // BAND) * (2 if gated else 1)
     down_items = expected_chunks * (H // BAND)
-    if direct and forced[0] is None:
-        splits_gu, kt_gu = _direct_splits(device, H // TILE, gu_items, target_workgroups, direct_max_kt_gu())
-    else:
-        splits_gu, kt_gu = _splits(device, H // TILE // step, gu_items, target_workgroups, forced[0],
-                                   max_kt=DIRECT_MAX_KT if direct else None)
-        if direct:  # forced k-splits
-            splits_gu, kt_gu = _whole_steps(H // TILE, kt_gu)
+    splits_gu, kt_gu = _phase_splits(device, H // TILE, gu_items, target_workgroups, forced[0], direct, step,
+                                     direct_max_kt_gu(), DIRECT_MAX_KT if direct else None)
     in_down = None if coop else stage3_in_down(H)
 
     def fits(kt):  # a down item's A (its rows x the 128-blocks its k-range spans) in the GEMM core's shared buffer
         return in_down is not None and rows * hadamard_blocks_spanned(kt) <= STAGE3_IN_DOWN_MAX_UNITS
 
-    if direct and forced[1] is None:
-        splits_d, kt_d = _direct_splits(device, I // TILE, down_items, target_workgroups, I // TILE)
-    else:
-        splits_d, kt_d = _splits(device, I // TILE // step, down_items, target_workgroups, forced[1])
-        if direct:  # forced k-splits
-            splits_d, kt_d = _whole_steps(I // TILE, kt_d)
+    splits_d, kt_d = _phase_splits(device, I // TILE, down_items, target_workgroups, forced[1], direct, step,
+                                   I // TILE, None)
     if in_down and direct and forced[1] is None:
         # one round of 2 workgroups per compute unit, not 3: a down item's stage 3 is a fixed cost per item (H200,
         # Qwen3 shape, m = 1, split: 2 down splits 29.7 us, 3 31.3; with the band tails 31.4 / 31.8; BENCHMARKS.md)
