@@ -218,6 +218,31 @@ def test_shared_down_gemm_runs_beside_the_routed_down(device, tmp_path, monkeypa
         block.close()
 
 
+def test_shared_up_gate_plan_for_their_share_of_the_device(device, tmp_path, monkeypatch):
+    """The shared up and gate GEMMs (side by side, beside the router) plan their k-splits for
+    block.SHARED_GEMM_SHARE of the device's workgroups: with a share of one workgroup they run unsplit, and the
+    block still matches the float64 one."""
+    from vkmoe.ops import block as block_module
+    from vkmoe.ops.plan import gemm_plan
+
+    monkeypatch.setattr(block_module, "SHARED_GEMM_SHARE", (1, 10 ** 6))
+    path = write_checkpoint(str(tmp_path / "ds"), arch="deepseek_v3", hidden=H, intermediate=128, seed=43,
+                            **ARCHS["deepseek_v3"])
+    block = SparseMoeBlock.from_checkpoint(path, 0, backend="vulkan", device=device)
+    try:
+        x = _hidden(3, seed=4)
+        got = block(x)
+        assert _rel_rms(got, block.reference(x)) < TOL
+        for name in ("up", "gate"):
+            linear = block.device_block.shared[name]
+            assert gemm_plan(device, 3, linear.k, linear.n).splits > 1  # (else this test could not fail)
+            assert {key[1] for key in linear._scratch if key[0] == 3} == {1}, name
+        with pytest.raises(ValueError, match="workgroups must be a positive int or None"):
+            linear.stages(linear._suh, linear._suh, 1, workgroups=0)
+    finally:
+        block.close()
+
+
 def test_chain_of_blocks_in_one_submission(blocks, device):
     """Three layers recorded back to back (each reads the previous one's fp32 output; the middle one a LatentMoE
     block) == one by one, with device arrays passed between the calls, and == numpy calls."""

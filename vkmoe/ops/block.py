@@ -27,10 +27,24 @@ from .. import knobs, layout
 from ..vk import CommandRecorder, PushConstants
 from . import kernels
 from .device_array import CallTransfers, DeviceArray, close_recording, last_gpu_ms, resolve_out
+from .plan import default_target_workgroups
 from .recorded_call import POISON_F32, RecordedCall
 from .router import RouterGemv, check_tokens
 
 _F32 = np.dtype(np.float32)
+
+
+# The shared expert's up and gate GEMMs run side by side (beside the router): each plans its k-splits for this
+# fraction of the device's GEMM workgroups (ops.plan.default_target_workgroups), not all of them, so that the pair
+# is about one round instead of two. H200, DeepSeek-V3 shape, tools/bench_decode --layers 16, the router + shared
+# up/gate phase, us (m = 1 | m = 4): all 396 workgroups each 24.5 | 35.3 (two runs), 2/3 (264) 21.7 | 32.9, 1/2 (198)
+# 22.1 | 37.6, 1/3 (132) 21.5 | 38.8 (BENCHMARKS.md, fifteenth session).
+SHARED_GEMM_SHARE = (2, 3)
+
+
+def shared_gemm_workgroups(device):
+    num, den = SHARED_GEMM_SHARE
+    return max(1, default_target_workgroups(device) * num // den)
 
 
 class ElemPush(PushConstants):
@@ -204,8 +218,10 @@ class DeviceMoeBlock:
         experts' split dispatches). A linear in direct mode (m = 1: ops.plan.gemm_plan) has no input Hadamard
         step: the first phase may be empty and down's input Hadamard phase holds nothing (record_buffers skips None)."""
         ops = self.shared
-        up = ops["up"].stages(x16, s.u, m)
-        gate = ops["gate"].stages(x16, s.g, m) if "gate" in ops else [None, None]
+        # up and gate beside each other and the router: each aims its k-splits at a share of the device
+        side = shared_gemm_workgroups(self.device) if "gate" in ops else None
+        up = ops["up"].stages(x16, s.u, m, side)
+        gate = ops["gate"].stages(x16, s.g, m, side) if "gate" in ops else [None, None]
         first = [up[0]] + ([gate[0]] if gate[0] else [])
         if self.gate_gemv is not None:  # sigmoid gate logits from the fp16 hidden, as the host path
             first.append(lambda cmd: self.gate_gemv.record(cmd, x16, False, s.gate_logits, m))

@@ -18,7 +18,7 @@ from .host_arrays import describe, host_array, out_dtype_of
 from .plan import gemm_plan
 from .recorded_call import RecordedCall
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:  # names used in type hints only
     from ..vk import Buffer, Device
@@ -131,8 +131,8 @@ class Exl3Linear:
                          self._bound).atexit = False
 
     # ---------------------------------------------------------------------------------------------- record
-    def _scratch_for(self, m):
-        plan = gemm_plan(self.device, m, self.k, self.n)
+    def _scratch_for(self, m, workgroups=None):
+        plan = gemm_plan(self.device, m, self.k, self.n, workgroups)
         key = (m, plan.splits, plan.coop, plan.rows, plan.direct)
         if key not in self._scratch:
             mem = self.device.memory
@@ -165,20 +165,23 @@ class Exl3Linear:
                     for b in self._scratch.pop(key):
                         b.close()
 
-    def stages(self, x_buf: "Buffer", y_buf: "Buffer", m: int):
+    def stages(self, x_buf: "Buffer", y_buf: "Buffer", m: int, workgroups: Optional[int] = None):
         """record()'s dispatches as separate steps, for a caller that records other independent work between
         them: [input Hadamard (reads x_buf), GEMM (writes y_buf)], each a function(cmd) -> descriptor set that
         records one dispatch and no barrier; the caller puts a barrier after each. The first is None in direct mode
-        (one row: the GEMM reads x_buf and builds its input Hadamard itself, ops.plan.gemm_plan). Pins m like
-        record()."""
+        (one row: the GEMM reads x_buf and builds its input Hadamard itself, ops.plan.gemm_plan). workgroups: what
+        the GEMM's k-splits aim for (default: the device's, ops.plan.default_target_workgroups), for a caller
+        whose other dispatches share the device with it. Pins m like record()."""
+        if workgroups is not None and (not isinstance(workgroups, int) or workgroups < 1):
+            raise ValueError(f"workgroups must be a positive int or None, got {workgroups!r}")
         with self._call_lock:
             self._pinned.add(m)
-            return self._stages(x_buf, y_buf, m)
+            return self._stages(x_buf, y_buf, m, workgroups)
 
-    def _stages(self, x_buf, y_buf, m):
+    def _stages(self, x_buf, y_buf, m, workgroups=None):
         if x_buf.size < m * self.k * 2 or y_buf.size < m * self.n * 2:
             raise ValueError(f"x_buf needs {m * self.k * 2} bytes and y_buf {m * self.n * 2} for m={m}")
-        plan, (xh, partial, counters) = self._scratch_for(m)
+        plan, (xh, partial, counters) = self._scratch_for(m, workgroups)
         dev = self.device
 
         def had_in(cmd):
