@@ -237,7 +237,7 @@ def test_shared_up_gate_plan_for_their_share_of_the_device(device, tmp_path, mon
             linear = block.device_block.shared[name]
             assert gemm_plan(device, 3, linear.k, linear.n).splits > 1  # (else this test could not fail)
             assert {key[1] for key in linear._scratch if key[0] == 3} == {1}, name
-        with pytest.raises(ValueError, match="workgroups must be a positive int or None"):
+        with pytest.raises(ValueError, match="workgroups: expected a positive integer or None, got 0"):
             linear.stages(linear._suh, linear._suh, 1, workgroups=0)
     finally:
         block.close()

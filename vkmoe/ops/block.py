@@ -12,8 +12,9 @@ Phases (one barrier after each; the dispatches inside a phase are independent), 
 The routed and the shared chains end together (the shared down GEMM beside the routed down): with the routed
 experts in direct mode (two dispatches, no routing pass) the shared activation runs beside the routed gate/up GEMM
 at m = 1 and in a phase of its own before it at m > 1. Without a shared expert: router, then the routed experts'
-dispatches. A persistent routed launch runs alone, after the shared expert's phases. At m = 1 the shared (and latent) linears have no input Hadamard dispatches (the linear's
-direct mode: ops.plan.gemm_plan), so their phases hold only the GEMMs; an empty phase is skipped.
+dispatches. A persistent routed launch runs alone, after the shared expert's phases. At m = 1 the shared (and
+latent) linears have no input Hadamard dispatches (the linear's direct mode: ops.plan.gemm_plan), so their phases
+hold only the GEMMs; an empty phase is skipped.
 NemotronH's LatentMoE: fc1_latent_proj's input Hadamard joins the router phase and its GEMM the next (with the
 shared up GEMM), so the routed experts start one phase later and run at the latent width L into an fp32 (m, L)
 sum; then fp16(sum), fc2_latent_proj's Hadamard, its GEMM and out = fp32(fc2), each a phase, before the shared sum.
@@ -198,7 +199,8 @@ class DeviceMoeBlock:
             # chain longer than the routed one (direct mode: two dispatches; act, down's Hadamard, down's GEMM)
             # so starts with the short activation alone instead of ending with the shared down GEMM alone.
             n = max(len(routed), len(rest))
-            later = ahead + [r + sh for r, sh in zip([[]] * (n - len(routed)) + routed, [[]] * (n - len(rest)) + rest)]
+            pad = lambda chain: [[]] * (n - len(chain)) + chain  # noqa: E731 (empty phases first)
+            later = ahead + [r + sh for r, sh in zip(pad(routed), pad(rest))]
         else:  # a persistent launch wants the whole device: nothing runs beside it
             def persistent(cmd):
                 self.moe.record(cmd, experts_in, s.ids, s.weights, routed_out, m, self.top_k, mode=mode)
@@ -216,7 +218,8 @@ class DeviceMoeBlock:
         """The shared expert's phases: [up and gate input Hadamards, gate GEMV] (before the router), [up and
         gate GEMMs] (beside the router), [activation], [down's input Hadamard], [down's GEMM] (beside the routed
         experts' split dispatches). A linear in direct mode (m = 1: ops.plan.gemm_plan) has no input Hadamard
-        step: the first phase may be empty and down's input Hadamard phase holds nothing (record_buffers skips None)."""
+        step: the first phase may be empty (record_buffers skips it) and down's input Hadamard phase holds only None
+        (_phases drops it)."""
         ops = self.shared
         # up and gate beside each other and the router: each aims its k-splits at a share of the device
         side = shared_gemm_workgroups(self.device) if "gate" in ops else None

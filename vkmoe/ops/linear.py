@@ -173,7 +173,7 @@ class Exl3Linear:
         the GEMM's k-splits aim for (default: the device's, ops.plan.default_target_workgroups), for a caller
         whose other dispatches share the device with it. Pins m like record()."""
         if workgroups is not None and (not isinstance(workgroups, int) or workgroups < 1):
-            raise ValueError(f"workgroups must be a positive int or None, got {workgroups!r}")
+            raise ValueError(f"workgroups: expected a positive integer or None, got {workgroups!r}")
         with self._call_lock:
             self._pinned.add(m)
             return self._stages(x_buf, y_buf, m, workgroups)
