@@ -3,8 +3,9 @@
 // unit. The k-loop decodes a k-step (COOP_KSTEP k-tiles x the band's 8 n-tiles = 32 tiles: one lane of one tile
 // per invocation, exl3_decode.glsl's split) into shared fp16, stages the step's A rows beside it, then the 8
 // subgroups multiply: subgroup (sm, sn) of a COOP_SG_M x COOP_SG_N grid owns COOP_SMT m-tiles x COOP_SNT n-tiles
-// of the workgroup tile, so a fragment loaded from shared memory feeds several products. The weights and A rows
-// of the next step are loaded before the multiplications, so their memory round trip overlaps them.
+// of the workgroup tile, so a fragment loaded from shared memory feeds several products. The next step's weights
+// are loaded before the multiplications, so their memory round trip overlaps them; A rows are loaded in their own
+// step (coop_gemm says why).
 //
 // Shared layout (both padded by COOP_PAD fp16 per line so that 8 consecutive lines fall on distinct 16-byte bank
 // groups): A row-major (a line = one row's k-step), Ŵ column-major (a line = one column's k-step). Both are
@@ -154,17 +155,16 @@ void coop_gemm(int a_src, int b_src, int kb, uint b_base, uint row0, uint nr, ui
 #endif
     uint words[8];
     uvec4 a[COOP_A_PER];
-    if (kt0 < kt1) {
-        coop_load_lane(b_src, kb, b_base, kt0, tiles_n, band, words);
-        coop_load_a(a_src, row0, nr, k, kt0, a);
-    }
+    if (kt0 < kt1) coop_load_lane(b_src, kb, b_base, kt0, tiles_n, band, words);
     for (uint kt = kt0; kt < kt1; kt += COOP_KSTEP) {
+        // A (an L2-resident input, re-read by every band) is loaded at the step that uses it, not one step ahead:
+        // holding it across the multiplications cost 20 registers (162 -> 142 on the wide tile) and made the
+        // H200's linear 8192 x 8192 17-20 % slower (BENCHMARKS.md, sixteenth session)
+        coop_load_a(a_src, row0, nr, k, kt, a);
         coop_decode_lane(kb, words);
         coop_store_a(a);
-        if (kt + COOP_KSTEP < kt1) {  // the next step's loads fly during this step's multiplications
+        if (kt + COOP_KSTEP < kt1)  // the next step's weights (from HBM) fly during this step's multiplications
             coop_load_lane(b_src, kb, b_base, kt + COOP_KSTEP, tiles_n, band, words);
-            coop_load_a(a_src, row0, nr, k, kt + COOP_KSTEP, a);
-        }
         barrier();
 #ifdef COOP_EMULATE
         coop_emu_multiply_step();
