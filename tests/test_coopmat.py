@@ -94,6 +94,23 @@ def test_plan_choice(monkeypatch, device):
     assert not plan.gemm_plan(device, 1024, 2048, 2048).coop
 
 
+@pytest.mark.parametrize("m, k, n", [(16, 8192, 8192), (256, 8192, 8192), (1024, 8192, 8192), (1024, 2048, 768),
+                                     (64, 2048, 768)])
+def test_coop_plan_is_one_round_per_compute_unit(monkeypatch, m, k, n):
+    """The cooperative-matrix linear plans at most one round of plan.COOP_WG_PER_CU workgroups per compute unit,
+    with as many k-splits as that round holds (one where the tiles alone fill it); a caller's smaller target (the
+    device block's shared GEMMs) is kept."""
+    monkeypatch.setattr(plan, "coop_unavailable", lambda d: None)
+    monkeypatch.setenv("VKMOE_COOPMAT", "on")
+    dev = fake_device(compute_units=132, quirks={})
+    p = plan.gemm_plan(dev, m, k, n)
+    tiles = (n // layout.BAND) * p.row_chunks
+    round_ = plan.COOP_WG_PER_CU * 132
+    assert p.coop and p.splits == max(1, min(round_ // tiles, k // 16 // layout.COOP_KSTEP // 4)), p
+    assert tiles * p.splits <= max(round_, tiles) and p.splits * p.kt_per_split >= k // 16
+    assert plan.gemm_plan(dev, m, k, n, target_workgroups=tiles).splits == 1
+
+
 def test_auto_needs_the_probe(monkeypatch, device):
     """A device that has the feature but whose matrix unit got the probe's product wrong stays on the FMA path in
     auto mode (the probe runs once per device: a second plan does not run it again)."""
@@ -131,13 +148,13 @@ def test_forcing_coop_without_the_feature_raises(monkeypatch, device):
 
 
 # ------------------------------------------------------------------------------------------ the kernel's data flow
-@pytest.mark.parametrize("k, n, m, bits, codebook, bias, build", [
-    (256, 128, 64, 4, "mul1", False, ""),    # one full row tile
-    (256, 256, 100, 3, "mcg", True, ""),     # a partial second row tile, two bands, bias
-    (512, 128, 20, 5, "3inst", False, ""),   # k-splits summed by the last arrival
-    (256, 256, 100, 4, "mul1", True, "_sg2"),  # the subgroup grid of the wide tile (2 x 4) on the narrow one
+@pytest.mark.parametrize("k, n, m, bits, codebook, bias, build, split", [
+    (256, 128, 64, 4, "mul1", False, "", False),    # one full row tile
+    (256, 256, 100, 3, "mcg", True, "", False),     # a partial second row tile, two bands, bias
+    (512, 128, 20, 5, "3inst", False, "", True),    # k-splits summed by the last arrival
+    (256, 256, 100, 4, "mul1", True, "_sg2", False),  # the subgroup grid of the wide tile (2 x 4) on the narrow one
 ])
-def test_emulated_data_flow(monkeypatch, device, k, n, m, bits, codebook, bias, build):
+def test_emulated_data_flow(monkeypatch, device, k, n, m, bits, codebook, bias, build, split):
     monkeypatch.setattr(plan, "coop_unavailable", lambda d: None)
     # (the wide tile needs more shared memory than lavapipe has: its 2 x 4 subgroup grid runs on the narrow one)
     monkeypatch.setattr(kernels, "coop_linear_name", lambda d, r: "exl3_linear_coop_emulate" + build)
@@ -150,6 +167,8 @@ def test_emulated_data_flow(monkeypatch, device, k, n, m, bits, codebook, bias, 
     x = make_x(m, k, 4)
     p = plan.gemm_plan(device, m, k, n)
     assert p.coop
+    if split:  # (one round of a workgroup per compute unit: one band and row tile leave units to split k over)
+        assert p.splits > 1, p
     with vkmoe.Exl3Linear(device, t) as layer:
         layer(make_x(m, k, 9) * 3)  # poison the output and partial buffers
         y = layer(x)

@@ -191,14 +191,24 @@ def gemm_plan(device, m, k, n, target_workgroups=None):
     return GemmPlan(rows, row_chunks, splits, kt_per_split, direct=direct)
 
 
+# The cooperative-matrix linear plans one round of COOP_WG_PER_CU workgroups per compute unit (k-splits only
+# while the tiles leave compute units idle): its tiles hold 110-142 registers per invocation, one or two
+# workgroups per SM, so a grid planned for 3 per CU ran in rounds, each split adding a partial and an arrival.
+# H200, tools/bench_linear 8192 x 8192, us at m = 16 / 64 / 128 / 256 / 512 / 1024: 3 per CU, at least one round
+# (before) 82.8 / 95.2 / 155.8 / 222.7 / 400.1 / 785.1; 1 per CU, one round 68.4 / 76.6 / 136.0 / 186.3 / 386.0 /
+# 783.7 (2 per CU 71.3 / 80.9 / 148.8 / 202.8 / 387.5 / 785.4; 2048 x 768 m = 1024 73.3 -> 51.4; BENCHMARKS.md,
+# sixteenth session).
+COOP_WG_PER_CU = 1
+
+
 def _coop_plan(device, m, k, n, target_workgroups):
     rows = coop_rows(device, m)
     row_chunks = ceil_div(m, rows)
-    if target_workgroups is None:
-        target_workgroups = default_target_workgroups(device)
+    one_round = COOP_WG_PER_CU * (device.compute_units or 16)
+    target = one_round if target_workgroups is None else min(target_workgroups, one_round)
     # k-steps of COOP_KSTEP tiles: splits count in steps, so every split but the last holds whole steps
     steps, kt_per_step = k // TILE // COOP_KSTEP, COOP_KSTEP
-    splits, steps_per_split = _splits(device, steps, (n // BAND) * row_chunks, target_workgroups)
+    splits, steps_per_split = _splits(device, steps, (n // BAND) * row_chunks, target, one_round=True)
     return GemmPlan(rows, row_chunks, splits, steps_per_split * kt_per_step, coop=True)
 
 
