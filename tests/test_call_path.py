@@ -362,6 +362,40 @@ def test_unwritten_output_is_nan(device, ops, layer, to_device, bind):
     assert out.shape == (m, moe.H) and np.isnan(out).all()
 
 
+@pytest.mark.parametrize("direct", ["on", "off"])
+def test_poison_beside_the_first_dispatch(device, layer, monkeypatch, direct):
+    """In direct mode the output's poison fill rides beside the first split dispatch (gate/up writes no output)
+    instead of taking a barrier of its own: a forward that runs only that dispatch still leaves the output NaN
+    after a real call filled the buffer. In routed mode the routing pass may zero rows, so the fill keeps its own
+    barrier before it."""
+    monkeypatch.setenv("VKMOE_MOE_DIRECT", direct)  # (read when the layer first plans the shape)
+    call = layer.calls[0]
+    x, ids, w = call["x"], call["selected"].astype(np.int32), call["weights"].astype(np.float32)
+    m, top_k = ids.shape
+    L = layer
+    with vkmoe.Exl3MoeMlp(device, L.gate, L.up, L.down, activation="silu", dispatch="split") as moe:
+        expect = moe(x, ids, w)
+        assert np.isfinite(expect).all()
+        scratch = moe._scratch_for(m, top_k)
+        assert scratch.plan.direct == (direct == "on")
+        assert moe._split_path.first_dispatch_writes_output(scratch) == (direct == "off")
+        assert np.array_equal(moe(x, ids, w), expect)
+        if direct == "off":
+            return
+
+        def first_only(cmd, scratch, buffers, beside_first=None):
+            dset = moe._split_stages(scratch, buffers)[0](cmd)
+            beside_first(cmd)
+            cmd.barrier()
+            return [dset]
+
+        gate_up_only = SimpleNamespace(key="gate-up-only", reads_status=False, check=lambda scratch: 0,
+                                       first_dispatch_writes_output=lambda scratch: False, record=first_only)
+        with moe._call_lock:
+            out = moe._run_path(gate_up_only, x, ids, w, m, top_k).out
+        assert out.shape == (m, moe.H) and np.isnan(out).all()
+
+
 # ------------------------------------------------------------------------------------ GPU time when asked
 def test_gpu_time_is_read_only_when_asked(device, ops, layer, monkeypatch):
     """A runtime's calls read no timestamps (a driver call each) unless it asks for last_run["gpu_ms"] or

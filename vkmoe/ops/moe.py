@@ -247,11 +247,18 @@ class _SplitPath:
     def __init__(self, moe):
         self._moe = moe
 
-    def record(self, cmd, scratch, buffers):
-        return self._moe._record_split(cmd, scratch, buffers)
+    def record(self, cmd, scratch, buffers, beside_first=None):
+        return self._moe._record_split(cmd, scratch, buffers, beside_first)
 
     def check(self, scratch):
         return 0
+
+    @staticmethod
+    def first_dispatch_writes_output(scratch):
+        """Whether the first dispatch may write the output: the routing pass's stage 1 zeroes the rows of tokens
+        with no valid slot; in direct mode the first dispatch (gate/up) writes none (the down dispatch zeroes
+        them), so the output's poison fill may run beside it (_record_run)."""
+        return not scratch.plan.direct
 
 
 class _PersistentPath:
@@ -536,10 +543,14 @@ class Exl3MoeMlp:
         return [stage(pipe, grid) for _, pipe, grid in
                 split_kernels(self.device, plan, self._spec(plan), self.H, self.I, self.gated)]
 
-    def _record_split(self, cmd, scratch, buffers):
+    def _record_split(self, cmd, scratch, buffers, beside_first=None):
+        """The split dispatches, a barrier after each; beside_first(cmd): commands recorded beside the first
+        dispatch (before its barrier)."""
         sets = []
-        for stage in self._split_stages(scratch, buffers):
+        for i, stage in enumerate(self._split_stages(scratch, buffers)):
             sets.append(stage(cmd))
+            if i == 0 and beside_first is not None:
+                beside_first(cmd)
             cmd.barrier()
         return sets
 
@@ -853,7 +864,7 @@ class Exl3MoeMlp:
         if recording is None:
             if bound is not None:  # the oldest recordings of other arrays for this shape and path go first
                 make_room_for_bound(self._recorded, key[:3], _Recording.close)
-            recording = self._recorded[key] = self._record_run(*shape, path.record, path.reads_status, bound)
+            recording = self._recorded[key] = self._record_run(*shape, path, bound)
         return recording
 
     def _submit(self, recording, path, hidden, ids, weights, check, target=None):
@@ -873,10 +884,13 @@ class Exl3MoeMlp:
             recording.scratch.last_status = call.status_word() if path.reads_status else 0
         return out
 
-    def _record_run(self, m, top_k, record_body, status, bound=None):
-        """_recording's recording: the output poisoned with NaN, record_body's commands between two timestamps, the
-        abort word copied behind the io output (status=True), a host barrier. bound: (hidden, out) Buffers bound
-        in place of the io ones (None entries: the io ones)."""
+    def _record_run(self, m, top_k, path, bound=None):
+        """_recording's recording: the output poisoned with NaN, path.record's commands between two timestamps,
+        the abort word copied behind the io output (path.reads_status), a host barrier. Where the path's first
+        dispatch writes no output (path.first_dispatch_writes_output), the poison fill runs beside that dispatch,
+        ordered before the later ones by its barrier, and inside the timestamps: a barrier of its own before the
+        forward cost the H200 about 4 us of wall time per call (BENCHMARKS.md, sixteenth session). bound:
+        (hidden, out) Buffers bound in place of the io ones (None entries: the io ones)."""
         hb, ib, wb, ob = self._io_for(m, top_k)
         bound_hidden, bound_out = bound if bound is not None else (None, None)
         hidden_buf = hb if bound_hidden is None else bound_hidden
@@ -885,13 +899,22 @@ class Exl3MoeMlp:
         rec = CommandRecorder(self.device, timestamps=2)
         try:
             rec.begin()
-            # an element no stage writes stays NaN (a caller's array: its own bytes only; it may sit in a bigger buffer)
-            rec.fill(out_buf, POISON_F32, nbytes=None if out_buf is ob else m * self.H * 4)
-            rec.barrier()
+
+            def poison(cmd):  # an element no stage writes stays NaN (a caller's array: its own bytes only; it may
+                cmd.fill(out_buf, POISON_F32, nbytes=None if out_buf is ob else m * self.H * 4)  # sit in a bigger one)
+
+            bindings = self._bindings(scratch, hidden_buf, ib, wb, out_buf)
+            writes = getattr(path, "first_dispatch_writes_output", None)
+            if writes is not None and not writes(scratch):
+                rec.timestamp()
+                sets = path.record(rec, scratch, bindings, beside_first=poison)
+            else:
+                poison(rec)
+                rec.barrier()
+                rec.timestamp()
+                sets = path.record(rec, scratch, bindings)
             rec.timestamp()
-            sets = record_body(rec, scratch, self._bindings(scratch, hidden_buf, ib, wb, out_buf))
-            rec.timestamp()
-            if status:  # record_body ended with a barrier: the kernel's abort word is final
+            if path.reads_status:  # path.record ended with a barrier: the kernel's abort word is final
                 rec.copy(scratch.sync, ob, 4, dst_offset=m * self.H * 4)
             rec.host_barrier()
             rec.end()
