@@ -45,7 +45,17 @@ def fake_device(**changes):
 
 
 # ------------------------------------------------------------------------------------------ capability
-def test_lavapipe_reports_no_cooperative_matrix(device):
+@pytest.fixture
+def without_coop(device):
+    """The session device, for tests of a device without cooperative matrices (lavapipe; skipped on a GPU that
+    has them: tools/check_coopmat checks those)."""
+    if device.features.get("cooperativeMatrix"):
+        pytest.skip(f"{device.name} has cooperative matrices")
+    return device
+
+
+def test_lavapipe_reports_no_cooperative_matrix(without_coop):
+    device = without_coop
     assert device.features["cooperativeMatrix"] is False
     assert device.cooperative_matrix_shapes == []
     info = device.info()
@@ -125,8 +135,9 @@ def test_auto_needs_the_probe(monkeypatch, device):
     assert "probe was off by 0.5" in plan.coop_probe_failure(device)
 
 
-def test_default_is_auto_and_fallback_is_right(monkeypatch, device):
+def test_default_is_auto_and_fallback_is_right(monkeypatch, without_coop):
     """Without the feature (lavapipe) auto, the default, keeps to the FMA path, and its results are right."""
+    device = without_coop
     monkeypatch.delenv("VKMOE_COOPMAT", raising=False)
     assert vkmoe.knobs.get("VKMOE_COOPMAT") == "auto"
     monkeypatch.setenv("VKMOE_COOPMAT", "auto")
@@ -140,7 +151,8 @@ def test_default_is_auto_and_fallback_is_right(monkeypatch, device):
     assert rel_rms(y, reference.linear_forward(x, t)) < TOL
 
 
-def test_forcing_coop_without_the_feature_raises(monkeypatch, device):
+def test_forcing_coop_without_the_feature_raises(monkeypatch, without_coop):
+    device = without_coop
     monkeypatch.setenv("VKMOE_COOPMAT", "on")
     with vkmoe.Exl3Linear(device, vkmoe.random_exl3_tensor(256, 128, seed=3)) as layer:
         with pytest.raises(vkmoe.VkmoeError, match=r"VKMOE_COOPMAT=on.*cooperativeMatrix.*VK_KHR_cooperative_matrix"):
