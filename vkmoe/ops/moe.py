@@ -273,6 +273,11 @@ class _PersistentPath:
     def record(self, cmd, scratch, buffers):
         return self._moe._record_persistent(cmd, scratch, buffers, self.pplan)
 
+    @staticmethod
+    def first_dispatch_writes_output(scratch):
+        """Its one dispatch writes the output: the poison fill needs a barrier of its own before it."""
+        return True
+
     def check(self, scratch):
         return scratch.last_status
 
@@ -900,10 +905,12 @@ class Exl3MoeMlp:
         try:
             rec.begin()
 
-            def poison(cmd):  # an element no stage writes stays NaN (a caller's array: its own bytes only; it may
-                cmd.fill(out_buf, POISON_F32, nbytes=None if out_buf is ob else m * self.H * 4)  # sit in a bigger one)
+            # an element no stage writes stays NaN (a caller's array: its own bytes only; it may sit in a bigger buffer)
+            def poison(cmd):
+                cmd.fill(out_buf, POISON_F32, nbytes=None if out_buf is ob else m * self.H * 4)
 
             bindings = self._bindings(scratch, hidden_buf, ib, wb, out_buf)
+            # (a path that does not say, e.g. a test's, is taken to write the output from its first dispatch)
             writes = getattr(path, "first_dispatch_writes_output", None)
             if writes is not None and not writes(scratch):
                 rec.timestamp()

@@ -48,10 +48,15 @@ class GemmPlan:
     direct: bool = False  # one row whose input Hadamard each workgroup builds itself (exl3_linear.comp, DIRECT)
 
 
+def compute_units(device):
+    """The device's compute units, 16 where the driver reports none (what the GEMM plans count rounds in)."""
+    return device.compute_units or 16
+
+
 def default_target_workgroups(device):
     """How many workgroups a GEMM dispatch aims for: VKMOE_GEMM_WG_PER_CU (default 3, what the H200 keeps resident
     per SM for these pipelines: 10 % faster than 4 at m = 1..4, BENCHMARKS.md) per compute unit."""
-    return knobs.get("VKMOE_GEMM_WG_PER_CU") * (device.compute_units or 16)
+    return knobs.get("VKMOE_GEMM_WG_PER_CU") * compute_units(device)
 
 
 def rows_for(m):
@@ -204,7 +209,7 @@ COOP_WG_PER_CU = 1
 def _coop_plan(device, m, k, n, target_workgroups):
     rows = coop_rows(device, m)
     row_chunks = ceil_div(m, rows)
-    one_round = COOP_WG_PER_CU * (device.compute_units or 16)
+    one_round = COOP_WG_PER_CU * compute_units(device)
     target = one_round if target_workgroups is None else min(target_workgroups, one_round)
     # k-steps of COOP_KSTEP tiles: splits count in steps, so every split but the last holds whole steps
     steps, kt_per_step = k // TILE // COOP_KSTEP, COOP_KSTEP
