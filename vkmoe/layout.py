@@ -133,7 +133,9 @@ STAGE3_IN_DOWN_MAX_UNITS = GEMM_RED_WORDS // (BAND // 2)
 # moe_router.comp's family (spec constant) and moe_block_elem.comp's operation (push constant `mode`)
 ROUTER_FAMILIES = {"std": 0, "dots": 1, "sqrtsp": 2, "sqrtsp_hash": 3}  # ROUTER_*
 ROUTER_WEIGHT_KINDS = {"float16": 0, "bfloat16": 1, "float32": 2}        # WKIND_*: the checkpoint's router dtype
-ROUTER_EXPERTS_PER_WG = 1     # router GEMV: experts per workgroup (grid: E x m; 4 was 1.7-4.5 us slower on the H200)
+# router GEMV: experts per workgroup (grid E / this x m, so no loop grows with E or m); 4 left half of the H200's
+# SMs idle at E = 256 and was 1.1-4.5 us slower there
+ROUTER_EXPERTS_PER_WG = 1
 ROUTER_MAX_GROUPS = 64        # dots: n_group limit (router_select.glsl's shared group scores)
 SOFTPLUS_THRESHOLD = 20.0     # sqrt(softplus): x itself above this (torch's default; routing.py uses the same)
 ELEM_TO_F16, ELEM_ACTIVATE, ELEM_ADD_SHARED, ELEM_TO_F32 = 0, 1, 2, 3  # moe_block_elem.comp modes
