@@ -103,6 +103,93 @@ def test_moe_alternating_shapes_and_layouts(moe, layer, monkeypatch):
     assert n_native == 1 and np.array_equal(got, want)
 
 
+def _hot_spy(moe, monkeypatch):
+    """A list that gets one entry (the outcome: an array, or None where it fell back) per call of moe's hot path."""
+    taken, real = [], type(moe)._run_hot
+
+    def spy(self, *args):
+        out = real(self, *args)
+        taken.append(out)
+        return out
+
+    monkeypatch.setattr(type(moe), "_run_hot", spy)
+    return taken
+
+
+def test_hot_calls_give_the_general_path_s_bits(moe, layer, monkeypatch):
+    """A numpy signature called again takes the hot path (Exl3MoeMlp._run_hot): the bits of the general native
+    path and of the Python path, the float64 reference's values, one native submission, a last_run as the
+    general path's; a non-contiguous input of the same signature leaves it for the general path, bits unchanged."""
+    monkeypatch.setenv("VKMOE_NATIVE_CALL", "1")
+    taken = _hot_spy(moe, monkeypatch)
+    for call in layer.calls:
+        x, ids, w = call["x"], call["selected"], call["weights"].astype(np.float16)
+        moe._hot.clear()
+        general = moe(x, ids, w, dispatch="split")  # (records, or takes the native path and keeps the signature)
+        general = moe(x, ids, w, dispatch="split")
+        report = dict(moe.last_run)
+        del taken[:]
+        hot, n_native, n_total = _counted(lambda: moe(x, ids, w, dispatch="split"))
+        assert len(taken) == 1 and taken[0] is not None and n_native == n_total == 1
+        assert np.array_equal(hot, general) and hot.dtype == np.float32
+        ref = reference.moe_forward(x, ids, w, layer.gate, layer.up, layer.down, activation="silu")
+        assert rel_rms(hot, ref) < GOLDEN_TOL
+        assert {k: v for k, v in moe.last_run.items() if k not in ("gpu_ms", "wall_ms")} == \
+            {k: v for k, v in report.items() if k not in ("gpu_ms", "wall_ms")}
+        assert moe.last_run["gpu_ms"] > 0
+        monkeypatch.setenv("VKMOE_NATIVE_CALL", "0")
+        python, n_native, _ = _counted(lambda: moe(x, ids, w, dispatch="split"))
+        monkeypatch.setenv("VKMOE_NATIVE_CALL", "1")
+        assert n_native == 0 and np.array_equal(python, hot)
+    c = layer.calls[-1]
+    x, ids, w = c["x"], c["selected"], c["weights"]
+    want = moe(x, ids, w, dispatch="split")
+    strided = np.repeat(x, 2, axis=1)[:, ::2]
+    assert strided.shape == x.shape and not strided.flags.c_contiguous
+    del taken[:]
+    assert np.array_equal(moe(strided, ids, w, dispatch="split"), want)
+    assert len(taken) == 1 and taken[0] is None  # (the hot path declined it; the general one converted it)
+    assert np.array_equal(moe(x, ids, w, dispatch="split"), want)
+
+
+def test_hot_calls_follow_the_decision_and_the_knobs(moe, layer, monkeypatch):
+    """A hot signature of a call without dispatch= follows VKMOE_DISPATCH (a persistent launch is never hot),
+    VKMOE_NATIVE_CALL=0 (the Python path) and evictions (VKMOE_SHAPE_CACHE=1 with alternating shapes): every
+    output as the general path's."""
+    monkeypatch.setenv("VKMOE_NATIVE_CALL", "1")
+    calls = layer.calls[:2]
+    assert calls[0]["x"].shape[0] != calls[1]["x"].shape[0]
+    for mode in ("split", "persistent", "split"):
+        monkeypatch.setenv("VKMOE_DISPATCH", mode)
+        for c in calls:
+            x, ids, w = c["x"], c["selected"], c["weights"]
+            want = moe(x, ids, w, dispatch=mode)
+            for _ in range(3):
+                got = moe(x, ids, w)
+                assert np.array_equal(got, want)
+                assert moe.last_run["mode"] == mode or moe.last_run["fallback_reason"], moe.last_run
+    monkeypatch.setenv("VKMOE_NATIVE_CALL", "0")
+    c = calls[0]
+    got, n_native, n_total = _counted(lambda: moe(c["x"], c["selected"], c["weights"]))
+    assert n_native == 0 and n_total == 1
+    monkeypatch.setenv("VKMOE_NATIVE_CALL", "1")
+    monkeypatch.setenv("VKMOE_SHAPE_CACHE", "2")  # three shapes in turn: each new one evicts the oldest (a
+    L = layer  # layer of its own: the fixture's has shapes that record() pinned)
+    c = max(calls, key=lambda c: c["x"].shape[0])
+    assert c["x"].shape[0] > 2 and 2 not in [c["x"].shape[0] for c in calls]
+    shapes = calls + [{"x": c["x"][:2], "selected": c["selected"][:2], "weights": c["weights"][:2]}]
+    want = [moe(c["x"], c["selected"], c["weights"], dispatch="split") for c in shapes]
+    with vkmoe.Exl3MoeMlp(moe.device, L.gate, L.up, L.down, activation="silu") as op:
+        taken = _hot_spy(op, monkeypatch)
+        for _ in range(2):
+            for c, expect in zip(shapes, want):
+                for _ in range(3):  # (records; native, keeps the signature; hot)
+                    assert np.array_equal(op(c["x"], c["selected"], c["weights"], dispatch="split"), expect)
+                assert len(op._scratch) <= 2
+    assert sum(t is None for t in taken) == 3  # (an entry whose shape went was declined, not run: the second round)
+    assert sum(t is not None for t in taken) == 6
+
+
 @pytest.mark.parametrize("out_dtype", [np.float16, np.float32])
 def test_linear_matches_the_python_path(device, linear, monkeypatch, out_dtype):
     for m in (1, 3, 16):

@@ -22,6 +22,7 @@ from ..sched import occupancy
 from ..sched.plan import DecisionInputs, coop_split_reason, decide, persistent_plan
 from ..exl3.reference import F32_MAX, check_op_routing
 from ..vk import CommandRecorder, DeviceClosedError, GpuTime, PushConstants, TimeoutError, VkmoeError
+from ..vk import fastcall
 from ..vk.fastcall import BoundedRule, IndexRule
 from . import kernels
 from .device_array import CallTransfers, DeviceArray, RepeatedArrays, make_room_for_bound, resolve_out
@@ -295,6 +296,23 @@ class _CallPlan:
         self.path, self.recording, self.stamp = path, None, stamp
 
 
+class _HotCall:
+    """A numpy call signature that already ran split through the native call path, kept so that the next call of
+    the same signature skips the layers of the general path (a decode loop makes the same call thousands of times:
+    they cost about 3 of the 7 us of vkmoe's host time per call on the dev machine, tools/profile_host). Valid while
+    `plan` is still the call plan of `plan_key` and its recording is `recording` (evicting the shape, re-planning
+    or close() drops them); `prepared` is the NativeCall's per-dtype part (NativeCall.prepare)."""
+    __slots__ = ("plan_key", "plan", "recording", "native", "prepared")
+
+    def __init__(self, plan_key, plan, recording, native, prepared):
+        self.plan_key, self.plan, self.recording, self.native = plan_key, plan, recording, native
+        self.prepared = prepared
+
+
+# At most this many hot call signatures per layer (a server sees many m; a new one beyond it clears the rest).
+_HOT_CALLS_MAX = 64
+
+
 # A call plan's validity check: what sched's decision reads, and what this module's part of it reads:
 # VKMOE_DISPATCH (a call without dispatch=), VKMOE_DECODE and VKMOE_HADAMARD (they pick the persistent pipeline
 # whose co-resident count the decision uses: co_resident).
@@ -422,6 +440,8 @@ class Exl3MoeMlp:
         # (m, top_k, dispatch argument: None or a mode) -> _CallPlan. Not a resource the finalizer frees: its
         # paths reference the layer (close() and _evict_shapes drop plans with what they use).
         self._plans = {}
+        # (hidden shape, ids shape, ids dtype, weights dtype, dispatch argument) -> _HotCall (__call__'s hot path)
+        self._hot = {}
         self._pinned = set()  # shapes passed to record(): a caller's command buffer uses their scratch
         # One forward at a time per layer (the io and scratch buffers are per layer), and no eviction under a
         # running one; reentrant: _forward holds it around _launch_locked.
@@ -733,6 +753,21 @@ class Exl3MoeMlp:
         numpy arrays, CPU tensors through DLPack (torch: no copy), anything with __array__, or lists; hidden may
         be a DeviceArray. out: None (return numpy of out_dtype: float32, or float16), "device" (return a new
         DeviceArray) or a DeviceArray (m, H) float32 to write and return."""
+        if out is None and (out_dtype is np.float32 or out_dtype is _F32) and type(hidden) is np.ndarray and \
+                type(expert_ids) is np.ndarray and type(expert_weights) is np.ndarray and \
+                (dispatch is None or type(dispatch) is str):
+            hot_key = (hidden.shape, expert_ids.shape, hidden.dtype, expert_ids.dtype, expert_weights.dtype,
+                       dispatch)
+            hot = self._hot.get(hot_key)
+            if hot is not None:
+                result = self._run_hot(hot, hidden, expert_ids, expert_weights)
+                if result is not None:
+                    return result
+                self._hot.pop(hot_key, None)  # (stale: the general path below makes it again)
+            self._check_inputs(hidden, expert_ids, expert_weights, routing=False)  # (routing: by the call)
+            result = self._forward(hidden, expert_ids, expert_weights, dispatch, check=True)
+            self._keep_hot(hot_key, dispatch, hidden, expert_ids, expert_weights)
+            return result
         dtype = out_dtype_of(out_dtype)
         # (numpy arrays, the usual case, skip host_array's call: three calls cost ~0.5 us on every decode step)
         if type(hidden) is not np.ndarray and not isinstance(hidden, DeviceArray):
@@ -754,6 +789,48 @@ class Exl3MoeMlp:
                 target.close()
             raise
         return target
+
+    def _run_hot(self, hot, hidden, ids, weights):
+        """__call__ of a signature that ran before (_HotCall): the same checks, submission and last_run as the
+        general path, or None, having run nothing, where the entry is stale or an input is not C-contiguous (the
+        caller then takes the general path)."""
+        with self._call_lock:
+            start = time.perf_counter()
+            plan = hot.plan
+            if self._plans.get(hot.plan_key) is not plan or plan.recording is not hot.recording or \
+                    (plan.stamp is not None and plan.stamp != _DECISION_INPUTS()) or not fastcall.enabled():
+                return None
+            self._scratch.move_to_end(plan.shape)
+            try:
+                with self.device.use():  # (the io buffers are mapped: see _submit)
+                    out = hot.native.run_prepared(hot.prepared, (hidden, ids, weights), self._check_routing)
+            except ValueError:
+                if all(a.flags.c_contiguous for a in (hidden, ids, weights)):
+                    raise  # (a bad routing value: check_op_routing's error)
+                return None
+            rec = hot.recording.rec
+            fallback = plan.decision.reason if plan.requested == "persistent" else None  # (as _launch_locked's)
+            self._last_run = ("split", plan.requested, plan.decision, fallback, plan.scratch.plan, rec,
+                              rec.submissions, (time.perf_counter() - start) * 1e3)
+            return out
+
+    def _keep_hot(self, key, dispatch, hidden, ids, weights):
+        """After a numpy call that ran: keep its signature as a _HotCall where the next one can take the hot path
+        (split mode, as planned, through the native call path; a persistent plan reads its abort word after every
+        launch and keeps the general path)."""
+        with self._call_lock:
+            plan_key = (hidden.shape[0], ids.shape[1], self._dispatch_key(dispatch))
+            plan = self._plans.get(plan_key)
+            recording = plan.recording if plan is not None else None
+            if recording is None or plan.decision.mode != "split" or plan.path is not self._split_path:
+                return
+            native = recording.call.native
+            prepared = native.prepare((hidden.dtype, ids.dtype, weights.dtype)) if native is not None else None
+            if prepared is None:
+                return
+            if len(self._hot) >= _HOT_CALLS_MAX:
+                self._hot.clear()
+            self._hot[key] = _HotCall(plan_key, plan, recording, native, prepared)
 
     def slot_rows(self, hidden, ids, weights, dispatch=None):
         """The per-(token, slot) outputs (m, top_k, H) float32 of a forward whose `ids` are this op's own (ids

@@ -70,6 +70,11 @@ class RecordedCall:
         buf, dtype, shape = self.output
         return buf.host_view(dtype, shape).astype(out_dtype)
 
+    @property
+    def native(self):
+        """The fastcall.NativeCall of this call, or None before a call took the native path."""
+        return self._native
+
     def status_word(self):
         """The uint32 the recording copied right behind the output (a persistent launch's abort word)."""
         return int(self.output[0].host_view(_U32, (1,), self._status_offset)[0])

@@ -174,6 +174,41 @@ class NativeCall:
             out = out.astype(out_dtype)  # does not do (numpy rounds)
         return out
 
+    def prepare(self, dtypes):
+        """What run_prepared needs for host inputs of numpy dtypes `dtypes` (one per input slot, in order): the
+        packed conversions and the check mask, or None where C converts one of them not itself (run() then has
+        numpy convert it first). An op keeps it per call signature (Exl3MoeMlp's hot calls)."""
+        convs = checks = 0
+        if len(dtypes) != len(self.inputs):
+            return None
+        for slot, dtype in zip(self.inputs, dtypes):
+            conv = _COPY if dtype == slot.dtype else slot.into.get(dtype)
+            if conv is None:
+                return None
+            convs, checks = convs | conv, checks | slot.check_bit
+        return convs, checks
+
+    def run_prepared(self, prepared, arrays, check):
+        """run(arrays, the output slot's dtype, check=check) for host inputs the caller vouches for: numpy arrays
+        of exactly the slots' shapes and of the dtypes `prepared` (prepare) was made for; each must be
+        C-contiguous (else ValueError, from cffi, before anything is written or submitted). The same copies,
+        checks and submission as run() with none of its per-slot decisions (a decode step's calls are the same
+        signature every time). The caller holds device.use()."""
+        convs, checks = prepared
+        from_buffer = _ffi.from_buffer
+        sources = [from_buffer(a) for a in arrays]
+        sources += [NULL] * (_INPUTS - len(sources))
+        out = np.empty(self.output.shape, self.output.dtype)
+        dst = from_buffer(out)
+        if self.rec.spin_s != self._spin_s:  # (tests change it on a live recorder)
+            self.struct.spin_s = self._spin_s = self.rec.spin_s
+        try:
+            self.rec.submit_native(self, convs, checks, sources, dst, _COPY)
+        except _Rejected:
+            check(arrays)  # raises, naming the problem
+            self.rec.submit_native(self, convs, 0, sources, dst, _COPY)  # (C's rule was stricter: see run)
+        return out
+
     def raise_error(self, result):
         """VulkanError naming the entry point that returned `result` (_Rejected: a checked input broke its
         rule)."""
