@@ -219,6 +219,50 @@ def test_device_block_matches_the_python_path(device, blocks, monkeypatch):  # n
                 assert np.array_equal(native, python)
 
 
+def test_device_block_hot_calls(device, blocks, monkeypatch):  # noqa: F811
+    """A numpy hidden called again takes the block's hot path (DeviceMoeBlock._run_hot): the bits of the general
+    path (native and Python) and of the float64 reference's block within tolerance; VKMOE_DISPATCH=persistent
+    (a routed decision that changed) and a strided hidden leave it for the general path, same bits."""
+    from vkmoe.ops.block import DeviceMoeBlock
+
+    taken, real = [], DeviceMoeBlock._run_hot
+
+    def spy(self, *args):
+        out = real(self, *args)
+        taken.append(out)
+        return out
+
+    monkeypatch.setattr(DeviceMoeBlock, "_run_hot", spy)
+    monkeypatch.setenv("VKMOE_NATIVE_CALL", "1")
+    for block in blocks:
+        for m in (1, 3):
+            for h in (make_x(m, block.config.hidden_size, seed=40 + m),
+                      make_x(m, block.config.hidden_size, seed=50 + m).astype(np.float32)):
+                monkeypatch.delenv("VKMOE_DISPATCH", raising=False)
+                block(h)
+                want = block(h)  # (the general native path: keeps the signature)
+                del taken[:]
+                hot, n_native, n_total = _counted(lambda: block(h))
+                assert len(taken) == 1 and taken[0] is not None and n_native == n_total == 1
+                assert np.array_equal(hot, want) and block.last_run["mode"] == "split"
+                assert rel_rms(hot, block.reference(h)) < GOLDEN_TOL
+                monkeypatch.setenv("VKMOE_NATIVE_CALL", "0")
+                assert np.array_equal(block(h), want)
+                monkeypatch.setenv("VKMOE_NATIVE_CALL", "1")
+                monkeypatch.setenv("VKMOE_DISPATCH", "persistent")
+                del taken[:]
+                for _ in range(3):
+                    assert np.array_equal(block(h), want)
+                    assert block.last_run["mode"] == "persistent"
+                assert all(t is None for t in taken)
+                monkeypatch.delenv("VKMOE_DISPATCH")
+                assert np.array_equal(block(h), want)  # (split again: the general path keeps the signature)
+                wide = np.repeat(h, 2, axis=1)[:, ::2]
+                assert not wide.flags.c_contiguous
+                del taken[:]
+                assert np.array_equal(block(wide), want) and len(taken) == 1 and taken[0] is None
+
+
 def test_c_conversions_are_numpy_s(device):
     """Every fp16 bit pattern to fp32 (subnormals, infinities, NaN payloads), fp64 to fp32 rounding (halfway
     cases, subnormals, overflow) and int64 to int32 wrapping, on both ends of a call."""

@@ -25,11 +25,11 @@ import threading
 import numpy as np
 
 from .. import knobs, layout
-from ..vk import CommandRecorder, PushConstants
+from ..vk import CommandRecorder, PushConstants, fastcall
 from . import kernels
 from .device_array import CallTransfers, DeviceArray, close_recording, last_gpu_ms, resolve_out
 from .plan import default_target_workgroups
-from .recorded_call import POISON_F32, RecordedCall
+from .recorded_call import HOT_CALLS_MAX, POISON_F32, RecordedCall
 from .router import RouterGemv, check_tokens
 
 _F32 = np.dtype(np.float32)
@@ -113,6 +113,9 @@ class DeviceMoeBlock:
         # recently used first: at most VKMOE_SHAPE_CACHE; an evicted m's scratch goes unless record() pinned it.
         self._calls = OrderedDict()
         self._pinned = set()  # the m of every record() by a caller: its command buffer uses that scratch
+        # (hidden shape, hidden dtype) -> (call key, RecordedCall, routed plan key, plan, prepared): __call__'s hot
+        # path for numpy hidden (Exl3MoeMlp's hot calls, the same idea)
+        self._hot = {}
         self._dummy = device.memory.allocate(16)  # the token ids of a router that reads none
         self._transfers = CallTransfers(device)
         self._lock = threading.RLock()  # one call at a time: the scratch and io buffers are per block
@@ -295,6 +298,20 @@ class DeviceMoeBlock:
         """hidden: (m, H) float16/float32 numpy or DeviceArray; tokens: (m,) int32 numpy or DeviceArray (hash
         layers) or None; out: None (numpy), "device" or a DeviceArray; residual: like hidden (Gemma 4) or None.
         ONE submission: inputs, the block and the output's copy are recorded together (CallTransfers)."""
+        if out is None and tokens is None and residual is None and type(hidden) is np.ndarray:
+            hot_key = (hidden.shape, hidden.dtype)
+            hot = self._hot.get(hot_key)
+            if hot is not None:
+                result = self._run_hot(hot, hidden)
+                if result is not None:
+                    return result
+                self._hot.pop(hot_key, None)  # (stale: the general path below makes it again)
+            result = self._general_call(hidden, tokens, out, residual)
+            self._keep_hot(hot_key, hidden)
+            return result
+        return self._general_call(hidden, tokens, out, residual)
+
+    def _general_call(self, hidden, tokens, out, residual):
         if isinstance(hidden, DeviceArray):
             self.check_hidden(hidden)
         m = hidden.shape[0]
@@ -318,6 +335,42 @@ class DeviceMoeBlock:
             return out if target is None else target
 
     last_gpu_ms = last_gpu_ms  # device_array.last_gpu_ms: reads last_gpu_time when asked
+
+    def _run_hot(self, hot, hidden):
+        """__call__ of a numpy hidden whose shape and dtype ran before (_HotCall): the same submission, checks and
+        bookkeeping as the general path, or None, having run nothing, where the entry is stale (the recording or
+        the routed experts' split decision gone) or hidden is not C-contiguous."""
+        call_key, call, plan_key, plan, prepared = hot
+        with self._lock:
+            if self._calls.get(call_key, (None,) * 3)[2] is not call or not self.moe.plan_holds(plan_key, plan) \
+                    or not fastcall.enabled():
+                return None
+            self._calls.move_to_end(call_key)
+            with self.device.use():  # (the io buffers are mapped: see __call__)
+                if self.last_gpu_time is not None:
+                    self.last_gpu_time.forget()
+                try:
+                    out = call.native.run_prepared(prepared, (hidden,), None)
+                except ValueError:  # not C-contiguous (nothing was written or submitted)
+                    return None
+                self.last_gpu_time = call.rec.gpu_time()
+            self.last_mode = "split"
+            return out
+
+    def _keep_hot(self, key, hidden):
+        """After a numpy call that ran split through the native path: keep what _run_hot needs for its next one."""
+        m = hidden.shape[0]
+        with self._lock:
+            call_key = (m, (("x", hidden.dtype), ("tokens", None), ("residual", None)), "split")
+            entry = self._calls.get(call_key)
+            native = entry[2].native if entry is not None and self.last_mode == "split" else None
+            token = self.moe.split_plan(m, self.top_k) if native is not None else None
+            prepared = native.prepare((hidden.dtype,)) if token is not None else None
+            if prepared is None:
+                return
+            if len(self._hot) >= HOT_CALLS_MAX:
+                self._hot.clear()
+            self._hot[key] = (call_key, entry[2], *token, prepared)
 
     def _submit(self, m, inputs, target, mode):
         """Inputs, the block recorded for this shape and mode, the output's copy: ONE submission, waited for (the

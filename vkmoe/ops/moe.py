@@ -28,7 +28,7 @@ from . import kernels
 from .device_array import CallTransfers, DeviceArray, RepeatedArrays, make_room_for_bound, resolve_out
 from .host_arrays import describe, host_array, out_dtype_of
 from .plan import moe_plan
-from .recorded_call import POISON_F32, RecordedCall
+from .recorded_call import HOT_CALLS_MAX, POISON_F32, RecordedCall
 from .timeline import Timeline
 
 from typing import TYPE_CHECKING
@@ -307,10 +307,6 @@ class _HotCall:
     def __init__(self, plan_key, plan, recording, native, prepared):
         self.plan_key, self.plan, self.recording, self.native = plan_key, plan, recording, native
         self.prepared = prepared
-
-
-# At most this many hot call signatures per layer (a server sees many m; a new one beyond it clears the rest).
-_HOT_CALLS_MAX = 64
 
 
 # A call plan's validity check: what sched's decision reads, and what this module's part of it reads:
@@ -690,6 +686,24 @@ class Exl3MoeMlp:
         with self._call_lock:
             return self._plan_locked(m, top_k, arg).decision.mode
 
+    def split_plan(self, m: int, top_k: int):
+        """(plan key, plan) of a call of m tokens without dispatch= where vkmoe.sched decides split now, else None:
+        for a caller that keeps its own recording of the forward for as long as plan_holds says that decision
+        stands (vkmoe.ops.block's hot calls)."""
+        arg = self._dispatch_key(None)
+        with self._call_lock:
+            plan = self._plan_locked(m, top_k, arg)
+            return ((m, top_k, arg), plan) if plan.decision.mode == "split" else None
+
+    def plan_holds(self, plan_key, plan) -> bool:
+        """Whether `plan` (split_plan's, or a hot call's) is still the plan of its key, with the decision's inputs
+        unchanged (not evicted, re-planned or closed); counts as a use of its shape (LRU eviction)."""
+        with self._call_lock:
+            if self._plans.get(plan_key) is not plan or (plan.stamp is not None and plan.stamp != _DECISION_INPUTS()):
+                return False
+            self._scratch.move_to_end(plan.shape)
+            return True
+
     def release_shape(self, m: int, top_k: int) -> None:
         """Unpin a shape record() pinned, once no recording of the caller's uses it any more: it becomes an
         ordinary cached shape, freed when VKMOE_SHAPE_CACHE newer ones push it out."""
@@ -797,10 +811,9 @@ class Exl3MoeMlp:
         with self._call_lock:
             start = time.perf_counter()
             plan = hot.plan
-            if self._plans.get(hot.plan_key) is not plan or plan.recording is not hot.recording or \
-                    (plan.stamp is not None and plan.stamp != _DECISION_INPUTS()) or not fastcall.enabled():
+            if not self.plan_holds(hot.plan_key, plan) or plan.recording is not hot.recording or \
+                    not fastcall.enabled():
                 return None
-            self._scratch.move_to_end(plan.shape)
             try:
                 with self.device.use():  # (the io buffers are mapped: see _submit)
                     out = hot.native.run_prepared(hot.prepared, (hidden, ids, weights), self._check_routing)
@@ -828,7 +841,7 @@ class Exl3MoeMlp:
             prepared = native.prepare((hidden.dtype, ids.dtype, weights.dtype)) if native is not None else None
             if prepared is None:
                 return
-            if len(self._hot) >= _HOT_CALLS_MAX:
+            if len(self._hot) >= HOT_CALLS_MAX:
                 self._hot.clear()
             self._hot[key] = _HotCall(plan_key, plan, recording, native, prepared)
 

@@ -20,6 +20,8 @@ from .device_array import DeviceArray
 
 _U32 = np.dtype(np.uint32)
 POISON_F32 = 0x7FC00000  # a quiet NaN: what an op's output starts as, so an element the device forgets shows up
+# The most hot call signatures an op keeps (Exl3MoeMlp, DeviceMoeBlock: a server sees many m; one more clears them).
+HOT_CALLS_MAX = 64
 
 
 class RecordedCall:
