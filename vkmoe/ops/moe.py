@@ -699,10 +699,13 @@ class Exl3MoeMlp:
         """Whether `plan` (split_plan's, or a hot call's) is still the plan of its key, with the decision's inputs
         unchanged (not evicted, re-planned or closed); counts as a use of its shape (LRU eviction)."""
         with self._call_lock:
-            if self._plans.get(plan_key) is not plan or (plan.stamp is not None and plan.stamp != _DECISION_INPUTS()):
-                return False
-            self._scratch.move_to_end(plan.shape)
-            return True
+            return self._plan_holds_locked(plan_key, plan)
+
+    def _plan_holds_locked(self, plan_key, plan):
+        if self._plans.get(plan_key) is not plan or (plan.stamp is not None and plan.stamp != _DECISION_INPUTS()):
+            return False
+        self._scratch.move_to_end(plan.shape)
+        return True
 
     def release_shape(self, m: int, top_k: int) -> None:
         """Unpin a shape record() pinned, once no recording of the caller's uses it any more: it becomes an
@@ -811,7 +814,7 @@ class Exl3MoeMlp:
         with self._call_lock:
             start = time.perf_counter()
             plan = hot.plan
-            if not self.plan_holds(hot.plan_key, plan) or plan.recording is not hot.recording or \
+            if not self._plan_holds_locked(hot.plan_key, plan) or plan.recording is not hot.recording or \
                     not fastcall.enabled():
                 return None
             try:
