@@ -299,6 +299,27 @@ def test_plan_uses_the_pipelines_own_count(tmp_path, monkeypatch):
     assert not p.allowed and "litmus" in p.reason
 
 
+def test_forced_grid_measures_nothing(device, layers, tmp_path, monkeypatch):
+    """VKMOE_PERSISTENT_GRID is not checked against residency, so a persistent call with it runs no discovery
+    (seconds on a CPU driver): the forced grid launches, bits as split's."""
+    from vkmoe.sched import occupancy
+
+    def no_discovery(*args, **kwargs):
+        raise AssertionError("a forced grid ran the co-residency discovery")
+
+    monkeypatch.setattr(occupancy, "measure", no_discovery)
+    monkeypatch.setenv("VKMOE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("VKMOE_PERSISTENT_GRID", "2")
+    L, moe = layers(golden_files()[0])
+    call = L.calls[0]
+    split = moe(call["x"], call["selected"], call["weights"], dispatch="split")
+    out = moe(call["x"], call["selected"], call["weights"], dispatch="persistent")
+    run = moe.last_run
+    assert run["persistent_plan"]["workgroups"] == 2 and "VKMOE_PERSISTENT_GRID" in run["persistent_plan"]["source"]
+    assert run["mode"] == "persistent" or "aborted" in (run["fallback_reason"] or ""), run
+    assert np.array_equal(out.view(np.uint32), split.view(np.uint32))
+
+
 def test_discovery_measures_the_pipeline_itself(device, layers, tmp_path, monkeypatch):
     """The persistent pipeline's own discovery finds lavapipe's worker threads, the plan launches what it
     measured, and the measurement is cached per pipeline (spec constants included) for the next process."""
