@@ -38,7 +38,7 @@ def submission_count():
 
 
 def native_submission_count():
-    """How many of them the native call path (submit_native) made: tests and tools see which path ran."""
+    """How many of them the native call path (begin_native) made: tests and tools see which path ran."""
     return _native_submissions
 
 
@@ -276,22 +276,27 @@ class CommandRecorder:
             self._wait(timeout)
         return self
 
-    def submit_native(self, call, convs, checks, sources, dst, out_conv, before=(), after=()):
+    def begin_native(self, call, convs, checks, sources, before=(), after=()):
         """submit_held(wait=True) through the native call path (vkmoe.vk.fastcall.NativeCall `call`, made for
-        this recorder): the host inputs `sources` (4 cdata pointers or NULL, converted by the packed `convs`) are
-        checked against their rules (the slots in the bit mask `checks`: call.raise_error raises when one breaks
-        its rule, before anything is copied or submitted) and copied into their mapped buffers, the fence reset,
-        the buffer submitted and waited for, and the output copied into `dst` (NULL: none) by two C calls. Same checks, bookkeeping, errors and timeout as
-        submit_held + wait; the caller holds device.use()."""
+        this recorder), in two halves: this one, then finish_native. The host inputs `sources` (4 cdata pointers or
+        NULL, converted by the packed `convs`) are checked against their rules (the slots in the bit mask `checks`:
+        call.raise_error raises when one breaks its rule, before anything is copied or submitted) and copied into
+        their mapped buffers, the fence reset and the buffer submitted with `before` / `after` riders (one C call
+        under the queue lock). The GPU then runs while the caller prepares what finish_native needs (the output
+        array). Same checks, bookkeeping, errors and timeout as submit_held + wait; the caller holds device.use()."""
         global _native_submissions
-        dev, lib, c = self.device, call.lib, call.struct
         riders, info = self._prepare_submit(None, before, after)
-        with dev._lock:
-            result = lib.vkn_call_submit(c, info, convs, checks, *sources)
+        with self.device._lock:
+            result = call.lib.vkn_call_submit(call.struct, info, convs, checks, *sources)
             if result:
                 call.raise_error(result)
             self._submitted(riders)
             _native_submissions += 1
+
+    def finish_native(self, call, out_conv, dst):
+        """The second half of a native submission (begin_native): spin on the fence, sleep past the spin as
+        submit_held's wait does (VKMOE_TIMEOUT), then copy the output into dst (NULL: none)."""
+        lib, c = call.lib, call.struct
         result = lib.vkn_call_finish(c, out_conv, dst)
         if result == call.PENDING:  # still running after the spin: sleep as submit_held's wait does, then copy
             self._wait(None, spun=True)

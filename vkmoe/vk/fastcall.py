@@ -156,20 +156,23 @@ class NativeCall:
             checks |= slot.check_bit
         if check is None:
             checks = 0
+        rec = self.rec
+        if rec.spin_s != self._spin_s:  # (tests change it on a live recorder)
+            self.struct.spin_s = self._spin_s = rec.spin_s
+        try:
+            rec.begin_native(self, convs, checks, sources, before, after)
+        except _Rejected:
+            check(arrays)  # raises, naming the problem
+            # It found none: C's rule was stricter than the caller's check, which is the authority.
+            rec.begin_native(self, convs, 0, sources, before, after)
+        # (while the GPU runs: the output array costs the call no wall time here)
         out, out_conv, dst = None, 0, NULL
         if out_dtype is not None:
             slot = self.output
             out_conv = _COPY if out_dtype is slot.dtype else slot.out_of.get(out_dtype)
             out = np.empty(slot.shape, slot.dtype if out_conv is None else out_dtype)
             out_conv, dst = out_conv or 0, from_buffer(out)
-        if self.rec.spin_s != self._spin_s:  # (tests change it on a live recorder)
-            self.struct.spin_s = self._spin_s = self.rec.spin_s
-        try:
-            self.rec.submit_native(self, convs, checks, sources, dst, out_conv, before, after)
-        except _Rejected:
-            check(arrays)  # raises, naming the problem
-            # It found none: C's rule was stricter than the caller's check, which is the authority.
-            self.rec.submit_native(self, convs, 0, sources, dst, out_conv, before, after)
+        rec.finish_native(self, out_conv, dst)
         if out is not None and out.dtype is not out_dtype and out.dtype != out_dtype:  # a narrowing the C side
             out = out.astype(out_dtype)  # does not do (numpy rounds)
         return out
@@ -198,15 +201,17 @@ class NativeCall:
         from_buffer = _ffi.from_buffer
         sources = [from_buffer(a) for a in arrays]
         sources += [NULL] * (_INPUTS - len(sources))
-        out = np.empty(self.output.shape, self.output.dtype)
-        dst = from_buffer(out)
-        if self.rec.spin_s != self._spin_s:  # (tests change it on a live recorder)
-            self.struct.spin_s = self._spin_s = self.rec.spin_s
+        rec = self.rec
+        if rec.spin_s != self._spin_s:  # (tests change it on a live recorder)
+            self.struct.spin_s = self._spin_s = rec.spin_s
         try:
-            self.rec.submit_native(self, convs, checks, sources, dst, _COPY)
+            rec.begin_native(self, convs, checks, sources)
         except _Rejected:
             check(arrays)  # raises, naming the problem
-            self.rec.submit_native(self, convs, 0, sources, dst, _COPY)  # (C's rule was stricter: see run)
+            rec.begin_native(self, convs, 0, sources)  # (C's rule was stricter: see run)
+        # (while the GPU runs: the output array costs the call no wall time here)
+        out = np.empty(self.output.shape, self.output.dtype)
+        rec.finish_native(self, _COPY, from_buffer(out))
         return out
 
     def raise_error(self, result):
