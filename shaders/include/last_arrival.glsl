@@ -23,9 +23,10 @@ shared uint s_last[4];
 // Count this workgroup's arrival on LAST_ARRIVAL_BUF[counter] after its buffer writes; returns, identically in
 // every invocation, whether it was the last of `arrivals` (which then sees every other arrival's writes).
 bool wg_last_arrival(uint counter, uint arrivals) {
-    // Makes this workgroup's writes available device-wide before the release below; the acquire side makes the
-    // other workgroups' writes visible to the last arrival.
-    WG_BARRIER_DEVICE();
+    // Makes this workgroup's writes available to invocation 0, whose atomic below releases them device-wide; the
+    // acquire side (the atomic and the device barrier after it) makes the other workgroups' writes visible to the
+    // last arrival.
+    WG_BARRIER_PUBLISH();
     if (gl_LocalInvocationID.x == 0u) {
         // A single arrival (one k-split) is always the last: no round trip to the counter, which stays 0. The
         // barriers still publish this workgroup's writes to its own invocations (the tail reads them).
