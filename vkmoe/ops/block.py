@@ -78,6 +78,16 @@ class _Scratch:
             b.close()
 
 
+def _call_inputs(hidden, tokens, residual):
+    """A __call__'s inputs by name, in the order of its recording's input slots (None: absent)."""
+    return {"x": hidden, "tokens": tokens, "residual": residual}
+
+
+def _call_key(m, inputs, mode):
+    """The key of the __call__ recording for m rows, these inputs (_call_inputs: their dtypes) and mode."""
+    return m, tuple((name, None if a is None else a.dtype) for name, a in inputs.items()), mode
+
+
 class DeviceMoeBlock:
     """router: a vkmoe.ops.router.DeviceRouter (closed with the block); moe: the Exl3MoeMlp of the routed
     experts; shared: None or {"up", "down"[, "gate"]} Exl3Linear (gate absent when the activation is gateless);
@@ -113,7 +123,7 @@ class DeviceMoeBlock:
         # recently used first: at most VKMOE_SHAPE_CACHE; an evicted m's scratch goes unless record() pinned it.
         self._calls = OrderedDict()
         self._pinned = set()  # the m of every record() by a caller: its command buffer uses that scratch
-        # (hidden shape, hidden dtype) -> (call key, RecordedCall, routed plan key, plan, prepared): __call__'s hot
+        # (hidden shape, hidden dtype) -> (call key, its _calls entry, routed plan key, plan, prepared): __call__'s hot
         # path for numpy hidden (Exl3MoeMlp's hot calls, the same idea)
         self._hot = {}
         self._dummy = device.memory.allocate(16)  # the token ids of a router that reads none
@@ -321,7 +331,7 @@ class DeviceMoeBlock:
         self._check_residual(residual, m)
         if m == 0:
             return np.zeros((0, self.H), np.float32) if target is None else target
-        inputs = {"x": hidden, "tokens": tokens, "residual": residual}
+        inputs = _call_inputs(hidden, tokens, residual)
         # The io buffers are mapped: written and read under one hold of the device (a closed device's memory is
         # unmapped; close() waits for this block instead).
         with self._lock, self.device.use():
@@ -340,12 +350,13 @@ class DeviceMoeBlock:
         """__call__ of a numpy hidden whose shape and dtype ran before (_HotCall): the same submission, checks and
         bookkeeping as the general path, or None, having run nothing, where the entry is stale (the recording or
         the routed experts' split decision gone) or hidden is not C-contiguous."""
-        call_key, call, plan_key, plan, prepared = hot
+        call_key, entry, plan_key, plan, prepared = hot
         with self._lock:
-            if self._calls.get(call_key, (None,) * 3)[2] is not call or not self.moe.plan_holds(plan_key, plan) \
+            if self._calls.get(call_key) is not entry or not self.moe.plan_holds(plan_key, plan) \
                     or not fastcall.enabled():
                 return None
             self._calls.move_to_end(call_key)
+            call = entry[2]
             with self.device.use():  # (the io buffers are mapped: see __call__)
                 if self.last_gpu_time is not None:
                     self.last_gpu_time.forget()
@@ -361,7 +372,7 @@ class DeviceMoeBlock:
         """After a numpy call that ran split through the native path: keep what _run_hot needs for its next one."""
         m = hidden.shape[0]
         with self._lock:
-            call_key = (m, (("x", hidden.dtype), ("tokens", None), ("residual", None)), "split")
+            call_key = _call_key(m, _call_inputs(hidden, None, None), "split")
             entry = self._calls.get(call_key)
             native = entry[2].native if entry is not None and self.last_mode == "split" else None
             token = self.moe.split_plan(m, self.top_k) if native is not None else None
@@ -370,14 +381,13 @@ class DeviceMoeBlock:
                 return
             if len(self._hot) >= HOT_CALLS_MAX:
                 self._hot.clear()
-            self._hot[key] = (call_key, entry[2], *token, prepared)
+            self._hot[key] = (call_key, entry, *token, prepared)
 
     def _submit(self, m, inputs, target, mode):
         """Inputs, the block recorded for this shape and mode, the output's copy: ONE submission, waited for (the
         caller holds the device). Returns (the numpy output, None for a target; the persistent launch's abort
         code: copied behind the output)."""
-        dtypes = tuple((name, None if a is None else a.dtype) for name, a in inputs.items())
-        call = self._call_buffers(m, dtypes, mode)
+        call = self._call_buffers(*_call_key(m, inputs, mode))
         if self.last_gpu_time is not None:  # not read by now: nobody will, the submission need not read it
             self.last_gpu_time.forget()
         out = call.run(self._transfers, [a for a in inputs.values() if a is not None], target, _F32)

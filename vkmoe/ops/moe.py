@@ -770,6 +770,7 @@ class Exl3MoeMlp:
         numpy arrays, CPU tensors through DLPack (torch: no copy), anything with __array__, or lists; hidden may
         be a DeviceArray. out: None (return numpy of out_dtype: float32, or float16), "device" (return a new
         DeviceArray) or a DeviceArray (m, H) float32 to write and return."""
+        hot_key = None  # (a numpy call of float32 output: a signature the hot path may take, _run_hot)
         if out is None and (out_dtype is np.float32 or out_dtype is _F32) and type(hidden) is np.ndarray and \
                 type(expert_ids) is np.ndarray and type(expert_weights) is np.ndarray and \
                 (dispatch is None or type(dispatch) is str):
@@ -781,10 +782,6 @@ class Exl3MoeMlp:
                 if result is not None:
                     return result
                 self._hot.pop(hot_key, None)  # (stale: the general path below makes it again)
-            self._check_inputs(hidden, expert_ids, expert_weights, routing=False)  # (routing: by the call)
-            result = self._forward(hidden, expert_ids, expert_weights, dispatch, check=True)
-            self._keep_hot(hot_key, dispatch, hidden, expert_ids, expert_weights)
-            return result
         dtype = out_dtype_of(out_dtype)
         # (numpy arrays, the usual case, skip host_array's call: three calls cost ~0.5 us on every decode step)
         if type(hidden) is not np.ndarray and not isinstance(hidden, DeviceArray):
@@ -796,6 +793,8 @@ class Exl3MoeMlp:
         m = self._check_inputs(hidden, expert_ids, expert_weights, routing=False)[0]  # (routing: by the call)
         if out is None:
             result = self._forward(hidden, expert_ids, expert_weights, dispatch, check=True)
+            if hot_key is not None:
+                self._keep_hot(hot_key, dispatch, hidden, expert_ids, expert_weights)
             return result if dtype is _F32 else result.astype(dtype, copy=False)
         target = resolve_out(out, self.device, (m, self.H), _F32)
         try:

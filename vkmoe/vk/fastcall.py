@@ -97,6 +97,12 @@ class _Slot:
         elif rule is not None:
             raise TypeError(f"rule must be an IndexRule or a BoundedRule, got {rule!r}")
 
+    def conversion_into(self, dtype):
+        """The packed conversion code C copies a host array of numpy dtype `dtype` into this slot with, or None
+        where numpy must convert it first. (numpy's builtin dtypes are singletons: the usual input, already of the
+        slot's dtype, needs no hash.)"""
+        return _COPY if dtype is self.dtype else self.into.get(dtype)
+
 
 class NativeCall:
     """The vkn_call of one recorded op call: the entry points, the recorder's device, queue and fence, the
@@ -138,9 +144,7 @@ class NativeCall:
                 continue
             if a.size != slot.count:  # the C copy trusts the sizes: never read past an array (the op checked
                 raise ValueError(f"expected an array of shape {slot.shape}, got {a.shape}")  # the shape)
-            # (numpy's builtin dtypes are singletons: the usual input, already of the slot's dtype, needs no hash)
-            dtype, source = a.dtype, None
-            conv = _COPY if dtype is slot.dtype else slot.into.get(dtype)
+            source, conv = None, slot.conversion_into(a.dtype)
             if conv is not None:
                 try:
                     source = from_buffer(a)
@@ -156,15 +160,7 @@ class NativeCall:
             checks |= slot.check_bit
         if check is None:
             checks = 0
-        rec = self.rec
-        if rec.spin_s != self._spin_s:  # (tests change it on a live recorder)
-            self.struct.spin_s = self._spin_s = rec.spin_s
-        try:
-            rec.begin_native(self, convs, checks, sources, before, after)
-        except _Rejected:
-            check(arrays)  # raises, naming the problem
-            # It found none: C's rule was stricter than the caller's check, which is the authority.
-            rec.begin_native(self, convs, 0, sources, before, after)
+        self._begin(convs, checks, sources, arrays, check, before, after)
         # (while the GPU runs: the output array costs the call no wall time here)
         out, out_conv, dst = None, 0, NULL
         if out_dtype is not None:
@@ -172,20 +168,20 @@ class NativeCall:
             out_conv = _COPY if out_dtype is slot.dtype else slot.out_of.get(out_dtype)
             out = np.empty(slot.shape, slot.dtype if out_conv is None else out_dtype)
             out_conv, dst = out_conv or 0, from_buffer(out)
-        rec.finish_native(self, out_conv, dst)
+        self.rec.finish_native(self, out_conv, dst)
         if out is not None and out.dtype is not out_dtype and out.dtype != out_dtype:  # a narrowing the C side
             out = out.astype(out_dtype)  # does not do (numpy rounds)
         return out
 
     def prepare(self, dtypes):
         """What run_prepared needs for host inputs of numpy dtypes `dtypes` (one per input slot, in order): the
-        packed conversions and the check mask, or None where C converts one of them not itself (run() then has
+        packed conversions and the check mask, or None where C cannot take one of them as it is (run() then has
         numpy convert it first). An op keeps it per call signature (Exl3MoeMlp's hot calls)."""
         convs = checks = 0
         if len(dtypes) != len(self.inputs):
             return None
         for slot, dtype in zip(self.inputs, dtypes):
-            conv = _COPY if dtype == slot.dtype else slot.into.get(dtype)
+            conv = slot.conversion_into(dtype)
             if conv is None:
                 return None
             convs, checks = convs | conv, checks | slot.check_bit
@@ -201,18 +197,24 @@ class NativeCall:
         from_buffer = _ffi.from_buffer
         sources = [from_buffer(a) for a in arrays]
         sources += [NULL] * (_INPUTS - len(sources))
+        self._begin(convs, checks, sources, arrays, check)
+        # (while the GPU runs: the output array costs the call no wall time here)
+        out = np.empty(self.output.shape, self.output.dtype)
+        self.rec.finish_native(self, _COPY, from_buffer(out))
+        return out
+
+    def _begin(self, convs, checks, sources, arrays, check, before=(), after=()):
+        """The submission of run() and run_prepared() (CommandRecorder.begin_native): where C rejects a checked
+        input, the caller's check(arrays) raises, naming the problem; if it finds none, C's rule was stricter than
+        the caller's check, which is the authority, and the inputs go in unchecked."""
         rec = self.rec
         if rec.spin_s != self._spin_s:  # (tests change it on a live recorder)
             self.struct.spin_s = self._spin_s = rec.spin_s
         try:
-            rec.begin_native(self, convs, checks, sources)
+            rec.begin_native(self, convs, checks, sources, before, after)
         except _Rejected:
-            check(arrays)  # raises, naming the problem
-            rec.begin_native(self, convs, 0, sources)  # (C's rule was stricter: see run)
-        # (while the GPU runs: the output array costs the call no wall time here)
-        out = np.empty(self.output.shape, self.output.dtype)
-        rec.finish_native(self, _COPY, from_buffer(out))
-        return out
+            check(arrays)
+            rec.begin_native(self, convs, 0, sources, before, after)
 
     def raise_error(self, result):
         """VulkanError naming the entry point that returned `result` (_Rejected: a checked input broke its
