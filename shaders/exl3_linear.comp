@@ -44,6 +44,7 @@ void linear_direct_a_row(uint kt0, uint kt1);
 #include "exl3_gemm.glsl"
 #define LAST_ARRIVAL_BUF counters
 #include "last_arrival.glsl"
+#define LINEAR_TAIL_SCRATCH(i) gemm_red[i]  // free after the k-slice reduction
 #include "linear_tail.glsl"
 
 // Direct mode's A: gemm_red holds the packed fp16 row from block kt0 / 8 on (gemm_row_base[0] offsets the GEMM's

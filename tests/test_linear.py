@@ -11,7 +11,7 @@ import vkmoe
 from goldens import GOLDEN_DIR, rel_rms
 from vkmoe.exl3 import dequantize, reference
 from vkmoe.layout import DIRECT_MAX_KT
-from vkmoe.ops.plan import gemm_plan
+from vkmoe.ops.plan import compute_units, gemm_plan
 
 CODEBOOKS = ("mul1", "mcg", "3inst")
 BITS = tuple(range(1, 9))
@@ -253,6 +253,22 @@ def test_direct_mode_matches_the_two_dispatches(device, monkeypatch, k, n, bits,
     check_close(outs["auto"], x, t, f"direct ({k},{n}) K={bits} {codebook}")
     # m > 1 is never direct (one row's room in shared memory)
     assert not gemm_plan(device, 2, k, n).direct
+
+
+@pytest.mark.parametrize("m", [1, 2])
+def test_split_sums_shared_by_idle_rows(device, monkeypatch, m):
+    """A one-row band with 16 or more k-splits has its split sum shared by the lane groups of the pass rows it
+    leaves idle (linear_tail.glsl: 4 groups, each a quarter of the splits): right against the float64 reference
+    with 22 k-splits (not a multiple of the groups), the bias added once; m = 2 (the plain split order) beside it."""
+    n, k = 768, 2048  # 6 bands x 22 splits = 132 workgroups, on any device
+    monkeypatch.setenv("VKMOE_GEMM_WG_PER_CU", str(-(-132 // compute_units(device))))
+    plan = gemm_plan(device, m, k, n)
+    assert plan.splits >= 16, plan  # (22 where the plan fills the grid; direct mode keeps as many or more)
+    t = make_tensor(k, n, 4, "mul1", seed=51, bias=True)
+    x = make_x(m, k, seed=52)
+    with vkmoe.Exl3Linear(device, t) as layer:
+        y = run_poisoned(layer, x)
+    check_close(y, x, t, f"m={m} ({k},{n}) {plan.splits} k-splits")
 
 
 def test_long_k_past_loop_cap(device):
