@@ -108,19 +108,56 @@ void limit_groups(uint E) {
 // Top-k in one pass: every expert counts the experts that beat it under the tie rule; an expert whose count (its
 // rank) is below top_k takes slot `rank`. So slots come out in descending order with ties to the lower index, as
 // top_k rounds of an argmax would give them, for one barrier instead of top_k. A NaN
-// choice value beats nobody and is never taken, as in an argmax; a slot no expert reaches stays NONE. Invocation
-// tid ranks experts tid, tid + 256, ...: at most 4 x E <= 4096 comparisons (E <= ROUTE_MAX_EXPERTS), far below
-// Mesa 22.3's loop cap; every invocation loops E times (reads of one s_choice word at a time: broadcasts).
+// choice value beats nobody and is never taken, as in an argmax; a slot no expert reaches stays NONE.
+//
+// The ranking runs on candidates: first each subgroup ranks its own experts among themselves (subgroup shuffles,
+// no shared memory), and only those within its top_k (per_group of them) go on, to be ranked against each other.
+// That is the same answer: an expert of global rank r < top_k is beaten only by experts of global rank < r, each of
+// which is beaten within its own subgroup by fewer than top_k experts, so all of them are candidates and its rank
+// among the candidates is r; an expert of global rank >= top_k is beaten by the top_k best, all candidates. With
+// E = 256 and 32-wide subgroups the second ranking reads 64 candidates instead of 256 shared words (each loop step
+// one shared read: the loop's latency is the cost). Where the candidates would exceed s_cand (E / 256 rows of
+// gl_NumSubgroups groups, per_group each: E = 1024 on 8-wide subgroups) every expert is ranked against all E.
+// Invocation tid ranks experts tid, tid + 256, ...: at most 4 x E <= 4096 comparisons (E <= ROUTE_MAX_EXPERTS), far
+// below Mesa 22.3's loop cap; every invocation runs every loop the same number of times.
+shared uint s_cand[256];      // candidate expert ids, NONE where a group had fewer (select_topk)
+shared float s_cand_v[256];   // their choice values, NaN for NONE (beats nobody, never taken)
+
 void select_topk(uint E) {
     uint tid = gl_LocalInvocationID.x, top_k = wg_uniform(pc.top_k);
+    uint per_group = min(top_k, gl_SubgroupSize), slots = ((E + 255u) / 256u) * gl_NumSubgroups * per_group;
+    bool by_candidates = slots <= 256u;  // (uniform)
     if (tid < MAX_TOP_K) s_sel[tid] = NONE;
+    s_cand[tid] = NONE;
+    s_cand_v[tid] = uintBitsToFloat(0x7FC00000u);
     barrier();
-    for (uint e0 = 0u; e0 < E; e0 += 256u) {
-        uint e = min(e0 + tid, E - 1u);
-        float v = s_choice[e];
+    if (by_candidates) {
+        for (uint e0 = 0u; e0 < E; e0 += 256u) {
+            uint e = e0 + tid;
+            float v = e < E ? s_choice[e] : uintBitsToFloat(0x7FC00000u);  // (past E: NaN, never a candidate)
+            uint rank = 0u;
+            for (uint j = 0u; j < gl_SubgroupSize; j++)
+                rank += better(subgroupShuffle(v, j), subgroupShuffle(e, j), v, e) ? 1u : 0u;
+            if (!isnan(v) && rank < per_group) {
+                uint slot = ((e0 / 256u) * gl_NumSubgroups + gl_SubgroupID) * per_group + rank;
+                s_cand[slot] = e;
+                s_cand_v[slot] = v;
+            }
+        }
+        barrier();
+        uint e = s_cand[tid];
+        float v = s_cand_v[tid];
         uint rank = 0u;
-        for (uint j = 0u; j < E; j++) rank += better(s_choice[j], j, v, e) ? 1u : 0u;
-        if (e0 + tid < E && !isnan(v) && rank < top_k) s_sel[rank] = e;
+        for (uint j = 0u; j < slots; j++) rank += better(s_cand_v[j], s_cand[j], v, e) ? 1u : 0u;
+        if (tid < slots && !isnan(v) && rank < top_k) s_sel[rank] = e;
+    } else {
+        for (uint e0 = 0u; e0 < E; e0 += 256u) {
+            uint e = min(e0 + tid, E - 1u);
+            float v = s_choice[e];
+            uint rank = 0u;
+            for (uint j = 0u; j < E; j++) rank += better(s_choice[j], j, v, e) ? 1u : 0u;
+            if (e0 + tid < E && !isnan(v) && rank < top_k) s_sel[rank] = e;
+        }
     }
     barrier();
 }
