@@ -60,3 +60,18 @@ def test_report_and_phases(tmp_path, capsys):
     assert phases >= 4 and len(r["phase_gpu_us"]) == phases, r["phase_gpu_us"]
     assert all(math.isfinite(v) and v >= 0 for v in r["phase_gpu_us"])
     assert "phases (GPU us" in capsys.readouterr().err
+
+
+def test_no_shared_expert(tmp_path):
+    """--no-shared-expert: the small shape's block without its shared expert (the router's phase alone): the
+    report says so, and a block has fewer phases (no shared sum)."""
+    tool = _bench_decode()
+    runs = {}
+    for flag in ([], ["--no-shared-expert"]):
+        out = tmp_path / f"decode{len(flag)}.json"
+        assert tool["main"](["--shape", "small", "--layers", "1", "--m", "1", "--iters", "1", "--warmup", "1",
+                             "--warmup-seconds", "0", "--phases", "--json", str(out)] + flag) == 0
+        runs[bool(flag)] = json.loads(out.read_text())
+    assert runs[False]["shape"]["shared_intermediate"] == 256 and runs[True]["shape"]["shared_intermediate"] == 0
+    (with_shared,), (without,) = runs[False]["results"], runs[True]["results"]
+    assert len(without["phase_gpu_us"]) < len(with_shared["phase_gpu_us"]), (without, with_shared)
