@@ -115,9 +115,10 @@ void limit_groups(uint E) {
 // That is the same answer: an expert of global rank r < top_k is beaten only by experts of global rank < r, each of
 // which is beaten within its own subgroup by fewer than top_k experts, so all of them are candidates and its rank
 // among the candidates is r; an expert of global rank >= top_k is beaten by the top_k best, all candidates. With
-// E = 256 and 32-wide subgroups the second ranking reads 64 candidates instead of 256 shared words (each loop step
-// one shared read: the loop's latency is the cost). Where the candidates would exceed s_cand (E / 256 rows of
-// gl_NumSubgroups groups, per_group each: E = 1024 on 8-wide subgroups) every expert is ranked against all E.
+// E = 256 and 32-wide subgroups the second ranking reads 64 candidates instead of 256 shared words, one per loop
+// step (H200, Qwen3 shape, E = 128: the block's router phase m = 4 12.1 -> 11.4 us, m = 1 9.3 either way;
+// BENCHMARKS.md, nineteenth session). Where the candidates would exceed s_cand (E / 256 rows of gl_NumSubgroups
+// groups, per_group each: E = 1024 on 8-wide subgroups) every expert is ranked against all E.
 // Invocation tid ranks experts tid, tid + 256, ...: at most 4 x E <= 4096 comparisons (E <= ROUTE_MAX_EXPERTS), far
 // below Mesa 22.3's loop cap; every invocation runs every loop the same number of times.
 shared uint s_cand[256];      // candidate expert ids, NONE where a group had fewer (select_topk)
