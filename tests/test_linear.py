@@ -260,7 +260,7 @@ def test_split_sums_shared_by_idle_rows(device, monkeypatch, m):
     """A one-row band with 16 or more k-splits has its split sum shared by the lane groups of the pass rows it
     leaves idle (linear_tail.glsl: 4 groups, each a quarter of the splits): right against the float64 reference
     with 22 k-splits (not a multiple of the groups), the bias added once; m = 2 (the plain split order) beside it."""
-    n, k = 768, 2048  # 6 bands x 22 splits = 132 workgroups, on any device
+    n, k = 768, 2048  # 6 bands x 22 splits: the GEMM aims at >= 132 workgroups on any device
     monkeypatch.setenv("VKMOE_GEMM_WG_PER_CU", str(-(-132 // compute_units(device))))
     plan = gemm_plan(device, m, k, n)
     assert plan.splits >= 16, plan  # (22 where the plan fills the grid; direct mode keeps as many or more)
