@@ -12,6 +12,8 @@ if [ -n "$(git status --porcelain --untracked-files=no)" ]; then echo "make_vari
 P=docs/pending
 tmp=$(mktemp -d); cp -r "$P"/. "$tmp"   # the patches and scripts, kept while the tree changes under them
 P=$tmp
+# On a failure, give the tree back as it was (clean main) instead of leaving a half-patched one.
+trap 'git checkout -- .; rm -rf "$tmp"; echo "make_variants: failed; the tree is back to main" >&2' ERR
 fma='exl3_linear exl3_linear_f16 exl3_linear_idot moe_down moe_down_f16 moe_down_idot moe_gate_up moe_gate_up_f16 moe_gate_up_idot moe_persistent moe_persistent_clock moe_persistent_f16 moe_persistent_f16_clock moe_persistent_idot moe_persistent_idot_clock'
 mkdir -p exp
 for n in 1 2 4; do
@@ -30,5 +32,5 @@ for p in coop-two-steps-in-flight fma-two-tiles-in-flight split-sum-one-copy; do
 make -s shaders >/dev/null
 rm -rf exp/spv_land; mkdir -p exp/spv_land; cp vkmoe/_spv/*.spv exp/spv_land/
 cp $P/device_call.sh $P/router_parts.py exp/
-rm -rf "$tmp"
+trap - ERR; rm -rf "$tmp"
 echo "make_variants: exp/spv_{land,fma1d,based,epw1,epw2,epw4} built; the tree holds the three patches"

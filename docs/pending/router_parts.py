@@ -14,23 +14,23 @@ import vkmoe.layout
 EPW = int(os.environ.get('EPW', '1'))
 vkmoe.layout.ROUTER_EXPERTS_PER_WG = EPW
 QUICK = os.environ.get('QUICK') == '1'
-
-L, ITERS = (2, 1) if os.environ.get('QUICK') == '1' else (16, 30)
+L, ITERS = (2, 1) if QUICK else (16, 30)
+WARMUP = 5  # untimed submissions before the timed ones
 out_path = sys.argv[1] if len(sys.argv) > 1 else None
 rng = np.random.default_rng(0)
 res = []
 with vkmoe.Device() as dev:
-    def timed(name, record_layer, keep):
+    def timed(name, record_layer):
         rec = vkmoe.CommandRecorder(dev, timestamps=L + 1)
         rec.begin(); rec.timestamp()
         for i in range(L):
             record_layer(rec, i); rec.barrier(); rec.timestamp()
         rec.host_barrier(); rec.end()
         per = []
-        for it in range(ITERS + 5):
+        for it in range(WARMUP + ITERS):
             rec.submit(wait=True)
             s = rec.timestamps_ms()
-            if it >= 5:
+            if it >= WARMUP:
                 per += [(s[i + 1] - s[i]) * 1e3 for i in range(1, L)]
         rec.close()
         med = statistics.median(per)
@@ -53,16 +53,16 @@ with vkmoe.Device() as dev:
                                         bias=(rng.standard_normal(E) * 0.01).astype(np.float32) if b else None,
                                         n_group=g, topk_group=k, routed_scaling_factor=2.5) for _ in range(L)]
                 timed(f"{shape} m={m} router {f} g{g}/{k}",
-                      lambda rec, i: routers[i].steps(x, False, tok, logits, ids, wts, m)[0](rec), None)
+                      lambda rec, i: routers[i].steps(x, False, tok, logits, ids, wts, m)[0](rec))
                 if (f, g) == (fam, ng):
                     timed(f"{shape} m={m} gemv only",
-                          lambda rec, i: routers[i].gemv.record(rec, x, False, logits, m), None)
+                          lambda rec, i: routers[i].gemv.record(rec, x, False, logits, m))
                 hx = (np.random.default_rng(7).standard_normal((m, H)) * 0.5).astype(np.float16)
                 ids0, w0 = routers[0](hx)
                 res.append({"name": f"{shape} m={m} {f} g{g}/{k} check", "ids": ids0.tolist(), "w": w0.tolist()})
                 print("   ids", ids0[0].tolist(), "w", np.round(w0[0], 5).tolist(), flush=True)
                 for r in routers: r.close()
-            timed(f"{shape} m={m} empty phase", lambda rec, i: None, None)
+            timed(f"{shape} m={m} empty phase", lambda rec, i: None)
             for b in (x, tok, logits, ids, wts): b.close()
 if out_path:
     json.dump({"tool": "exp/router_parts", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "epw": EPW, "results": res},
