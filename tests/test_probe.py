@@ -10,7 +10,7 @@ import pytest
 
 import vkmoe
 from vkmoe.sched import residency
-from vkmoe.sched.probe import format_report, probe_residency
+from vkmoe.sched.probe import CALIBRATION_LENGTHS, OPEN_WINDOW_MS_CPU, SpinBudget, format_report, probe_residency, spin_ns_per_iter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -64,6 +64,30 @@ def test_finds_worker_threads(threads, tmp_path):
     elif major >= 25:
         assert cap is None
     assert "validation_messages" not in report
+
+
+def test_spin_calibration_survives_a_slowed_run():
+    short_n, long_n = CALIBRATION_LENGTHS
+    ns = 2000.0  # lavapipe's order of magnitude: 2 us per iteration of a 256-invocation workgroup
+    fixed = 0.05  # ms of dispatch cost in each run
+
+    def run(n, stalled_ms=0.0):
+        return fixed + n * ns * 1e-6 + stalled_ms
+
+    clean_short, clean_long = run(short_n), run(long_n)
+    assert spin_ns_per_iter([clean_short] * 3, [clean_long] * 3) == pytest.approx(ns)
+    # One pair's long run stalled: the fastest long run is the clean one.
+    assert spin_ns_per_iter([clean_short] * 3, [run(long_n, 30.0), clean_long, clean_long]) == pytest.approx(ns)
+    # Every short run slowed to nearly the long one's time (the failure CI met): the difference would say ~0.06 ns
+    # per iteration and every spin bound would last 30,000 times longer than meant. The floor keeps the estimate
+    # within 2x of the truth, so a spin window lasts at most twice its intended time.
+    slowed = [clean_long - 0.00005] * 3
+    got = spin_ns_per_iter(slowed, [clean_long] * 3)
+    assert ns / 2 <= got <= ns
+    budget = SpinBudget(None, got, is_cpu=True)
+    assert budget.open_iters * ns * 1e-6 <= 2 * OPEN_WINDOW_MS_CPU  # the CPU driver's window, at most doubled
+    # A short run slower than the long one (negative difference) gives the same floor, never a negative cost.
+    assert spin_ns_per_iter([clean_long + 1.0] * 3, [clean_long] * 3) == pytest.approx(0.5 * clean_long * 1e6 / long_n)
 
 
 def test_in_process_report_and_cache(dev, tmp_path, monkeypatch):

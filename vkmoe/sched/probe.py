@@ -88,6 +88,11 @@ def default_variants(device):
     return variants
 
 
+# How long a discovery's poll stays open. A CPU driver may run more worker threads than cores: a waiting thread
+# needs the OS to schedule it, which takes a time slice or two (several ms), so its poll stays open longer.
+OPEN_WINDOW_MS_GPU, OPEN_WINDOW_MS_CPU = 5.0, 40.0
+
+
 class SpinBudget:
     """Iteration bounds for the shaders. With a loop cap every invocation's total stays below it; without one
     the bounds come from the calibrated time per spin iteration."""
@@ -95,9 +100,7 @@ class SpinBudget:
     def __init__(self, cap, ns_per_iter, is_cpu):
         self.cap = cap
         self.ns_per_iter = max(ns_per_iter, 1e-3)
-        # A CPU driver may run more worker threads than cores: a waiting thread needs the OS to schedule it,
-        # which takes a time slice or two (several ms), so its poll stays open longer.
-        open_ms = 40.0 if is_cpu else 5.0
+        open_ms = OPEN_WINDOW_MS_CPU if is_cpu else OPEN_WINDOW_MS_GPU
         if cap:
             self.budget = max(1024, cap - 4096)  # margin for the loops around the spins
             self.lock_iters = min(2000, self.budget // 16)
@@ -173,32 +176,52 @@ def warm_up(device, pipe, buf):
         dset.free()
 
 
+# Spin calibration: each pair runs a short and a long spin; the per-iteration cost is the difference of the two
+# lengths' times (which cancels the dispatch's fixed cost). Several pairs, and the fastest time of each length:
+# a CPU driver's worker thread can be kept off a core for milliseconds, which inflates one run, never shrinks it.
+CALIBRATION_LENGTHS = (200, 1000)
+CALIBRATION_PAIRS = 3
+# The difference is trusted down to this fraction of the long run's whole time per iteration (an upper bound:
+# it includes the fixed cost, which is small beside 1000 iterations). Below it, the short run was slowed and the
+# difference underestimates the iteration: every spin bound derived from it would last many times longer than
+# intended (a CI run on 2 cores got a 20 s host timeout that way).
+CALIBRATION_FLOOR = 0.5
+
+
+def spin_ns_per_iter(short_ms, long_ms, lengths=CALIBRATION_LENGTHS):
+    """Nanoseconds per spin iteration from the times (ms) of the short and long runs of every pair."""
+    short, long_ = min(short_ms), min(long_ms)
+    upper = long_ * 1e6 / lengths[1]
+    diff = (long_ - short) * 1e6 / (lengths[1] - lengths[0])
+    return max(diff, CALIBRATION_FLOOR * upper, 1e-3)
+
+
 def calibrate_spin(device, pipe, buf):
-    """Nanoseconds per spin-loop iteration of one workgroup (timestamps, difference of two lengths). `buf`: two
-    measurement slots of scratch."""
+    """Nanoseconds per spin-loop iteration of one workgroup (timestamps; see CALIBRATION_*). `buf`: two
+    measurement slots of scratch, zeroed before each pair."""
     warm_up(device, pipe, buf)
     dset = pipe.bind(buf)
-    lengths = (200, 1000)
-    with CommandRecorder(device, timestamps=4) as rec:
-        rec.begin()
-        rec.fill(buf, 0)
-        rec.barrier()
-        for slot, n in enumerate(lengths):
-            rec.timestamp()
-            # launched=2 with one workgroup: the opener never sees everyone, so it spins the full window.
-            rec.dispatch(pipe, dset, 1, pipe.push(slot=slot, launched=2, open_iters=n, wait_iters=n,
-                                                  lock_iters=1000, budget=60000))
-            rec.barrier()
-        rec.timestamp()
-        rec.end()
-        rec.submit(wait=True, timeout=HOST_TIMEOUT_S)
-        stamps = rec.timestamps_ms()
-    dset.free()
-    times = [stamps[1] - stamps[0], stamps[2] - stamps[1]]
-    ns = (times[1] - times[0]) * 1e6 / (lengths[1] - lengths[0])
-    if ns <= 0:  # timer too coarse: use the longer run alone
-        ns = times[1] * 1e6 / lengths[1]
-    return max(ns, 1e-3)
+    try:
+        with CommandRecorder(device, timestamps=3 * CALIBRATION_PAIRS) as rec:
+            rec.begin()
+            for _ in range(CALIBRATION_PAIRS):
+                rec.fill(buf, 0)
+                rec.barrier()
+                for slot, n in enumerate(CALIBRATION_LENGTHS):
+                    rec.timestamp()
+                    # launched=2 with one workgroup: the opener never sees everyone, so it spins the full window.
+                    rec.dispatch(pipe, dset, 1, pipe.push(slot=slot, launched=2, open_iters=n, wait_iters=n,
+                                                          lock_iters=1000, budget=60000))
+                    rec.barrier()
+                rec.timestamp()
+            rec.end()
+            rec.submit(wait=True, timeout=HOST_TIMEOUT_S)
+            stamps = rec.timestamps_ms()
+    finally:
+        dset.free()
+    short = [stamps[3 * k + 1] - stamps[3 * k] for k in range(CALIBRATION_PAIRS)]
+    long_ = [stamps[3 * k + 2] - stamps[3 * k + 1] for k in range(CALIBRATION_PAIRS)]
+    return spin_ns_per_iter(short, long_)
 
 
 def residency_pipeline(device, wg, shared_bytes):
