@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the SPIR-V sets that docs/pending/device_call.sh swaps in, from a clean checkout of main, and leaves the
 # tree with the three patches applied and their SPIR-V built (what the device call checks and times).
-# Sets (folders under exp/, which .git/info/exclude should ignore; carry `exp` to the device):
+# Sets (folders under exp/, which .git/info/exclude should ignore; carry `exp` to the device). exp/ is emptied first:
+# it travels with the call, whose carry is limited to 64 MiB.
 #   land   every kernel, all three patches        fma1d  the FMA kernels without the FMA patch (split sum patch in)
 #   based  the coop kernels without the coop patch (split sum patch in)
 #   epw1/2/4  the router kernels with layout.ROUTER_EXPERTS_PER_WG = 1, 2, 4 (router_parts.py's EPW)
@@ -15,7 +16,7 @@ P=$tmp
 # On a failure, give the tree back as it was (clean main) instead of leaving a half-patched one.
 trap 'git checkout -- .; rm -rf "$tmp"; echo "make_variants: failed; the tree is back to main" >&2' ERR
 fma='exl3_linear exl3_linear_f16 exl3_linear_idot moe_down moe_down_f16 moe_down_idot moe_gate_up moe_gate_up_f16 moe_gate_up_idot moe_persistent moe_persistent_clock moe_persistent_f16 moe_persistent_f16_clock moe_persistent_idot moe_persistent_idot_clock'
-mkdir -p exp
+rm -rf exp; mkdir -p exp
 for n in 1 2 4; do
   sed -i "s/^ROUTER_EXPERTS_PER_WG = .*/ROUTER_EXPERTS_PER_WG = $n/" vkmoe/layout.py
   make -s shaders >/dev/null
