@@ -325,6 +325,25 @@ def test_bad_inputs_raise_as_before(moe, linear, layer):
     assert np.array_equal(moe(x, ids, w), moe(x, ids, w))
 
 
+def test_hot_signature_still_checks_every_input_shape(moe, layer, monkeypatch):
+    """A signature on the hot path (Exl3MoeMlp._run_hot) with routing weights of another shape: the general
+    path's error, never a copy of the slot's size out of a smaller array (it was read past its end and ran)."""
+    monkeypatch.setenv("VKMOE_NATIVE_CALL", "1")
+    taken = _hot_spy(moe, monkeypatch)
+    c = max(layer.calls, key=lambda call: call["selected"].shape[0])  # (m > 1: w[:1] is another shape)
+    x, ids, w = c["x"], c["selected"], c["weights"]
+    m, top_k = ids.shape
+    assert m > 1
+    want = moe(x, ids, w, dispatch="split")
+    moe(x, ids, w, dispatch="split")
+    del taken[:]
+    assert np.array_equal(moe(x, ids, w, dispatch="split"), want) and taken and taken[0] is not None  # (hot)
+    for bad in (w[:1], np.ascontiguousarray(w[:, :1]), w.reshape(-1), np.repeat(w, 2, axis=1), w[..., None]):
+        with pytest.raises(ValueError, match=rf"expert_weights: expected shape \({m}, {top_k}\)"):
+            moe(x, ids, bad, dispatch="split")
+    assert np.array_equal(moe(x, ids, w, dispatch="split"), want)
+
+
 def _outcome(fn):
     """fn()'s result, or its exception's type and message."""
     try:
@@ -410,6 +429,9 @@ def test_native_call_checks_the_shapes_it_copies(device):
         call = fastcall.NativeCall(rec, [(inp, np.float32, (4, 4))], (out, np.float32, (16,)))
         with pytest.raises(ValueError, match=r"expected an array of shape \(4, 4\), got \(2, 4\)"):
             call.run([np.zeros((2, 4), np.float32)])
+        prepared = call.prepare((np.dtype(np.float32),))
+        with device.use(), pytest.raises(ValueError, match=r"expected arrays of shapes \[\(4, 4\)\], got \[\(2, 4\)\]"):
+            call.run_prepared(prepared, (np.zeros((2, 4), np.float32),), None)
         with pytest.raises(ValueError, match=r"does not fit"):
             fastcall.NativeCall(rec, [(inp, np.float32, (32,))], (out, np.float32, (16,)))
 

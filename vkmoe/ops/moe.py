@@ -774,8 +774,10 @@ class Exl3MoeMlp:
         if out is None and (out_dtype is np.float32 or out_dtype is _F32) and type(hidden) is np.ndarray and \
                 type(expert_ids) is np.ndarray and type(expert_weights) is np.ndarray and \
                 (dispatch is None or type(dispatch) is str):
-            hot_key = (hidden.shape, expert_ids.shape, hidden.dtype, expert_ids.dtype, expert_weights.dtype,
-                       dispatch)
+            # Every input's shape and dtype: run_prepared copies exactly the slots' sizes from each array, so an
+            # input the key leaves out would go unchecked (and be read past its end).
+            hot_key = (hidden.shape, expert_ids.shape, expert_weights.shape, hidden.dtype, expert_ids.dtype,
+                       expert_weights.dtype, dispatch)
             hot = self._hot.get(hot_key)
             if hot is not None:
                 result = self._run_hot(hot, hidden, expert_ids, expert_weights)

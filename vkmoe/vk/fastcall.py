@@ -175,8 +175,9 @@ class NativeCall:
 
     def prepare(self, dtypes):
         """What run_prepared needs for host inputs of numpy dtypes `dtypes` (one per input slot, in order): the
-        packed conversions and the check mask, or None where C cannot take one of them as it is (run() then has
-        numpy convert it first). An op keeps it per call signature (Exl3MoeMlp's hot calls)."""
+        packed conversions, the check mask and the byte sizes the inputs must have, or None where C cannot take
+        one of them as it is (run() then has numpy convert it first). An op keeps it per call signature
+        (Exl3MoeMlp's hot calls)."""
         convs = checks = 0
         if len(dtypes) != len(self.inputs):
             return None
@@ -185,7 +186,7 @@ class NativeCall:
             if conv is None:
                 return None
             convs, checks = convs | conv, checks | slot.check_bit
-        return convs, checks
+        return convs, checks, [slot.count * np.dtype(dtype).itemsize for slot, dtype in zip(self.inputs, dtypes)]
 
     def run_prepared(self, prepared, arrays, check):
         """run(arrays, the output slot's dtype, check=check) for host inputs the caller vouches for: numpy arrays
@@ -193,9 +194,12 @@ class NativeCall:
         C-contiguous (else ValueError, from cffi, before anything is written or submitted). The same copies,
         checks and submission as run() with none of its per-slot decisions (a decode step's calls are the same
         signature every time). The caller holds device.use()."""
-        convs, checks = prepared
+        convs, checks, nbytes = prepared
         from_buffer = _ffi.from_buffer
         sources = [from_buffer(a) for a in arrays]
+        if [len(s) for s in sources] != nbytes:  # (as run(): the C copy trusts the sizes; never read past an array)
+            raise ValueError(f"expected arrays of shapes {[slot.shape for slot in self.inputs]}, got "
+                             f"{[a.shape for a in arrays]}")
         sources += [NULL] * (_INPUTS - len(sources))
         self._begin(convs, checks, sources, arrays, check)
         # (while the GPU runs: the output array costs the call no wall time here)
