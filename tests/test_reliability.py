@@ -706,3 +706,102 @@ def test_first_run_may_include_the_drivers_shader_compile():
         print("OK")
     """, env={"VKMOE_TIMEOUT": "0.25", "MESA_SHADER_CACHE_DISABLE": "true"})
     _assert_closed_error(result)
+
+
+# ------------------------------------------------------------------- 10: ops after close(); record()'s arguments
+def test_ops_used_after_close_raise_a_clear_error(dev, tiny_layer, tmp_path):
+    from test_linear import make_tensor
+    from test_models import DEEPSEEK
+    from vkmoe.models import SparseMoeBlock, write_checkpoint
+
+    L, c = tiny_layer, tiny_layer.calls[0]
+    x, ids, w = c["x"], c["selected"], c["weights"]
+    m, top_k = ids.shape
+    moe = vkmoe.Exl3MoeMlp(dev, L.gate, L.up, L.down, activation="silu", dispatch="split")
+    for _ in range(3):  # (the third call takes the hot path: close() must end that one too)
+        moe(x, ids, w)
+    moe.close()
+    bufs = [dev.memory.allocate(n) for n in (m * L.hidden_size * 2, m * top_k * 4, m * top_k * 4,
+                                             m * L.hidden_size * 4)]
+    with vkmoe.CommandRecorder(dev) as rec:
+        rec.begin()
+        for run in (lambda: moe(x, ids, w), lambda: moe(x, ids, w, dispatch="persistent"),
+                    lambda: moe.record(rec, *bufs, m, top_k), lambda: moe.split_stages(*bufs, m, top_k)):
+            with pytest.raises(vkmoe.VkmoeError, match="this Exl3MoeMlp is closed"):
+                run()
+        lin = vkmoe.Exl3Linear(dev, make_tensor(L.hidden_size, L.hidden_size, 4, "mul1", seed=3))
+        xl = x.astype(np.float16)
+        want = lin(xl)
+        lin.close()
+        for run in (lambda: lin(xl), lambda: lin.record(rec, bufs[0], bufs[0], m), lambda: lin.dequantize()):
+            with pytest.raises(vkmoe.VkmoeError, match="this Exl3Linear is closed"):
+                run()
+    for b in bufs:
+        b.close()
+    block = SparseMoeBlock.from_checkpoint(write_checkpoint(str(tmp_path), **DEEPSEEK), 0, backend="vulkan",
+                                           device=dev)
+    hidden = x.astype(np.float32)
+    for _ in range(3):
+        block(hidden)
+    block.close()
+    with pytest.raises(vkmoe.VkmoeError, match="this SparseMoeBlock is closed"):
+        block(hidden)
+    # The device stays usable: the same layers made again give the reference's answers.
+    with vkmoe.Exl3MoeMlp(dev, L.gate, L.up, L.down, activation="silu") as again:
+        ref = reference.moe_forward(x, ids, w, L.gate, L.up, L.down, activation="silu")
+        assert rel_rms(again(x, ids, w), ref) < TOL
+    with vkmoe.Exl3Linear(dev, make_tensor(L.hidden_size, L.hidden_size, 4, "mul1", seed=3)) as lin2:
+        assert np.array_equal(lin2(xl).view(np.uint16), want.view(np.uint16))
+    assert not dev.take_validation_messages()
+
+
+def test_record_checks_the_recorder_and_buffers_it_is_given(dev, tiny_layer):
+    from test_linear import make_tensor
+
+    L, c = tiny_layer, tiny_layer.calls[0]
+    x, ids, w = c["x"], c["selected"], c["weights"]
+    m, top_k = ids.shape
+    H = L.hidden_size
+    sizes = {"hidden_buf": m * H * 2, "ids_buf": m * top_k * 4, "weights_buf": m * top_k * 4, "out_buf": m * H * 4}
+    other_dev = vkmoe.Device()
+    with vkmoe.Exl3MoeMlp(dev, L.gate, L.up, L.down, activation="silu") as moe, \
+            vkmoe.Exl3Linear(dev, make_tensor(H, H, 4, "mul1", seed=3)) as lin, \
+            vkmoe.CommandRecorder(dev) as rec, vkmoe.CommandRecorder(other_dev) as foreign_rec:
+        bufs = {name: dev.memory.allocate(n) for name, n in sizes.items()}
+        small, closed, foreign = dev.memory.allocate(16), dev.memory.allocate(m * H * 2), \
+            other_dev.memory.allocate(m * H * 2)
+        closed.close()
+        rec.begin()
+        moe_args = list(bufs.values())
+        for name, bad, error, match in (
+                ("cmd", None, TypeError, "cmd: expected a vkmoe CommandRecorder, got NoneType"),
+                ("cmd", foreign_rec, ValueError, "cmd is a CommandRecorder of another vkmoe.Device"),
+                ("hidden_buf", np.zeros(m * H, np.float16), TypeError, "hidden_buf: expected a vkmoe Buffer"),
+                ("ids_buf", small, ValueError, f"ids_buf holds 16 bytes; this call needs {sizes['ids_buf']}"),
+                ("out_buf", small, ValueError, f"out_buf holds 16 bytes; this call needs {sizes['out_buf']}"),
+                ("weights_buf", closed, vkmoe.VkmoeError, "weights_buf is a closed Buffer"),
+                ("hidden_buf", foreign, ValueError, "hidden_buf is a Buffer of another vkmoe.Device")):
+            args = [rec, *moe_args]
+            args[0 if name == "cmd" else 1 + list(sizes).index(name)] = bad
+            with pytest.raises(error, match=match):
+                moe.record(*args, m, top_k)
+        for args, error, match in (
+                ((None, bufs["hidden_buf"], bufs["hidden_buf"]), TypeError, "cmd: expected a vkmoe CommandRecorder"),
+                ((rec, small, bufs["hidden_buf"]), ValueError, f"x_buf holds 16 bytes; this call needs {m * H * 2}"),
+                ((rec, bufs["hidden_buf"], None), TypeError, "y_buf: expected a vkmoe Buffer, got NoneType")):
+            with pytest.raises(error, match=match):
+                lin.record(*args, m)
+        # The same recorder, given good arguments, still records the right forward (output poisoned first).
+        bufs["hidden_buf"].upload(np.ascontiguousarray(x, np.float16))
+        bufs["ids_buf"].upload(np.ascontiguousarray(ids, np.int32))
+        bufs["weights_buf"].upload(np.ascontiguousarray(w, np.float32))
+        bufs["out_buf"].upload(np.full((m, H), np.nan, np.float32))
+        moe.record(rec, *moe_args, m, top_k)
+        rec.end()
+        rec.submit(wait=True)
+        ref = reference.moe_forward(x, ids, w, L.gate, L.up, L.down, activation="silu")
+        assert rel_rms(bufs["out_buf"].download(np.float32, (m, H)), ref) < TOL
+        for b in (*bufs.values(), small, foreign):
+            b.close()
+    other_dev.close()
+    assert not dev.take_validation_messages()

@@ -30,6 +30,12 @@ _HIDDEN_DTYPES = tuple(map(np.dtype, (np.float16, np.float32, np.float64)))
 _DeviceArray = None
 
 
+def _closed_error(block):
+    """vkmoe.vk's error for a block used after close() (imported here: only the device path raises it)."""
+    from ..vk.errors import closed_op_error
+    return closed_op_error(block)
+
+
 def _device_array_class():
     """vkmoe.ops.device_array.DeviceArray, imported on first use: the numpy path (and the CPU backend) must not need
     the Vulkan layer. Kept after that: a function-level import costs ~0.5 us, and the device path asks on every call."""
@@ -151,6 +157,7 @@ class SparseMoeBlock:
                                for r, t in self.latent.items()}
         self.device_block = self._device_block() if self.backend == "vulkan" else None
         self._last_run = None
+        self._closed = False  # (the device path raises once set: its memory is freed)
 
     def _device_block(self):
         """The whole block on the routed-expert op's Vulkan device (vkmoe.ops.block): router, routed and shared
@@ -294,6 +301,8 @@ class SparseMoeBlock:
             raise ValueError(f"{what} needs the vulkan backend; this block runs on {self.backend!r}")
 
     def _device_call(self, hidden, input_ids, out, residual):
+        if self._closed:
+            raise _closed_error(self)
         DeviceArray = _device_array_class()
         if not isinstance(hidden, DeviceArray):
             hidden = self._check_hidden(hidden)
@@ -327,6 +336,8 @@ class SparseMoeBlock:
         layer, residual an (m, H) float16/float32 DeviceArray for Gemma 4. Ends with a barrier, so the next block
         may read `out`. Returns the descriptor sets the commands use (free them when the recording is dropped)."""
         DeviceArray = _device_array_class()
+        if self._closed:
+            raise _closed_error(self)
         if self.device_block is None:
             raise ValueError(f"record() needs the whole block on a Vulkan device; it runs on {self.backend!r}")
         named = [("hidden", hidden), ("out", out)] + ([("residual", residual)] if self.norms is not None else [])
@@ -341,6 +352,7 @@ class SparseMoeBlock:
 
     def close(self):
         """Free the block's device objects (the routed and shared expert ops included)."""
+        self._closed = True
         if self.device_block is not None:
             self.device_block.close()
         for op in [self.moe, *(self.shared_ops or {}).values(), *(self.latent_ops or {}).values()]:

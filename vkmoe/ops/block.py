@@ -26,6 +26,7 @@ import numpy as np
 
 from .. import knobs, layout
 from ..vk import CommandRecorder, PushConstants, fastcall
+from ..vk.errors import closed_op_error
 from . import kernels
 from .device_array import CallTransfers, DeviceArray, close_recording, last_gpu_ms, resolve_out
 from .plan import default_target_workgroups
@@ -126,6 +127,8 @@ class DeviceMoeBlock:
         # (hidden shape, hidden dtype) -> (call key, its _calls entry, routed plan key, plan, prepared): __call__'s hot
         # path for numpy hidden (Exl3MoeMlp's hot calls, the same idea)
         self._hot = {}
+        self._closed = False  # (_scratch_for raises once set; close() empties the calls and the hot ones, so every
+                              # call and record gets there)
         self._dummy = device.memory.allocate(16)  # the token ids of a router that reads none
         self._transfers = CallTransfers(device)
         self._lock = threading.RLock()  # one call at a time: the scratch and io buffers are per block
@@ -134,6 +137,8 @@ class DeviceMoeBlock:
 
     # --------------------------------------------------------------------------------------------- record
     def _scratch_for(self, m):
+        if self._closed:
+            raise closed_op_error(self)
         if m not in self._scratch:
             self._scratch[m] = _Scratch(self.device, m, self.H, self.E, self.top_k, self.shared_n,
                                         self.norms is not None, self.L)
@@ -322,6 +327,8 @@ class DeviceMoeBlock:
         return self._general_call(hidden, tokens, out, residual)
 
     def _general_call(self, hidden, tokens, out, residual):
+        if self._closed:
+            raise closed_op_error(self)
         if isinstance(hidden, DeviceArray):
             self.check_hidden(hidden)
         m = hidden.shape[0]
@@ -442,6 +449,8 @@ class DeviceMoeBlock:
 
     def close(self):
         with self._lock:
+            self._closed = True
+            self._hot.clear()
             self._transfers.close()
             for bufs, ob, call, sets in self._calls.values():
                 close_recording(call.rec, sets, (*bufs.values(), ob))

@@ -11,11 +11,13 @@ import numpy as np
 from .. import knobs, layout
 from ..exl3 import Exl3Tensor
 from ..vk import CommandRecorder
+from ..vk.errors import closed_op_error
 from . import kernels
 from .device_array import (CallTransfers, DeviceArray, RepeatedArrays, close_recording, last_gpu_ms,
                            make_room_for_bound, resolve_out)
 from .host_arrays import describe, host_array, out_dtype_of
 from .plan import gemm_plan
+from .record_args import check_buffers, check_recorder
 from .recorded_call import RecordedCall
 
 from typing import TYPE_CHECKING, Optional
@@ -118,6 +120,7 @@ class Exl3Linear:
         self._io = OrderedDict()
         self._sets = {}  # m -> the descriptor sets of _io[m]'s recording
         self._pinned = set()
+        self._closed = False  # (_scratch_for and _call_buffers raise once set: every call, record and stage list)
         # (m, x Buffer, y Buffer) -> (RecordedCall, descriptor sets): calls binding DeviceArrays a caller passed
         # again (RepeatedArrays), least recently used first, at most BOUND_RECORDINGS per m; they go with _io[m]
         self._bound = OrderedDict()
@@ -132,6 +135,8 @@ class Exl3Linear:
 
     # ---------------------------------------------------------------------------------------------- record
     def _scratch_for(self, m, workgroups=None):
+        if self._closed:
+            raise closed_op_error(self)
         plan = gemm_plan(self.device, m, self.k, self.n, workgroups)
         key = (m, plan.splits, plan.coop, plan.rows, plan.direct)
         if key not in self._scratch:
@@ -149,6 +154,7 @@ class Exl3Linear:
     def record(self, cmd: CommandRecorder, x_buf: "Buffer", y_buf: "Buffer", m: int):
         """Append y = x · W (+ bias) to a recording CommandRecorder. x_buf holds (m, k) fp16, y_buf receives
         (m, n) fp16. Ends with a barrier, so later commands may read y_buf."""
+        check_recorder(self.device, cmd)
         if m <= 0:
             return
         with self._call_lock:
@@ -179,8 +185,7 @@ class Exl3Linear:
             return self._stages(x_buf, y_buf, m, workgroups)
 
     def _stages(self, x_buf, y_buf, m, workgroups=None):
-        if x_buf.size < m * self.k * 2 or y_buf.size < m * self.n * 2:
-            raise ValueError(f"x_buf needs {m * self.k * 2} bytes and y_buf {m * self.n * 2} for m={m}")
+        check_buffers(self.device, {"x_buf": (x_buf, m * self.k * 2), "y_buf": (y_buf, m * self.n * 2)})
         plan, (xh, partial, counters) = self._scratch_for(m, workgroups)
         dev = self.device
 
@@ -267,6 +272,8 @@ class Exl3Linear:
     def _call_buffers(self, m):
         """(x, y, RecordedCall) of __call__ for m rows: x where the host writes and the device reads it, y where
         the device writes and the host reads it (no staging copies), the forward recorded once."""
+        if self._closed:
+            raise closed_op_error(self)
         if m in self._io:
             self._io.move_to_end(m)
             return self._io[m]
@@ -311,6 +318,8 @@ class Exl3Linear:
 
     def dequantize(self) -> np.ndarray:
         """The decoded (k, n) fp16 matrix Ŵ, computed by the GPU decoder (no scales applied)."""
+        if self._closed:
+            raise closed_op_error(self)
         dev = self.device
         pipe = kernels.pipeline(dev, "exl3_dequant", kernels.DequantPush,
                                 {layout.SPEC_LINEAR_K: self.bits, layout.SPEC_LINEAR_CB: layout.CODEBOOKS[self.codebook]},
@@ -329,6 +338,7 @@ class Exl3Linear:
 
     def close(self):
         with self._call_lock:  # after a call running in another thread, never under it
+            self._closed = True
             self.last_gpu_time  # noqa: B018 - made now: closing its recorder reads it (GpuTime)
             self._transfers.close()
             _release_linear(self._io, self._sets, self._scratch, self._owned, self._bound)

@@ -23,11 +23,13 @@ from ..sched.plan import DecisionInputs, coop_split_reason, decide, persistent_p
 from ..exl3.reference import F32_MAX, check_op_routing
 from ..vk import CommandRecorder, DeviceClosedError, GpuTime, PushConstants, TimeoutError, VkmoeError
 from ..vk import fastcall
+from ..vk.errors import closed_op_error
 from ..vk.fastcall import BoundedRule, IndexRule
 from . import kernels
 from .device_array import CallTransfers, DeviceArray, RepeatedArrays, make_room_for_bound, resolve_out
 from .host_arrays import describe, host_array, out_dtype_of
 from .plan import moe_plan
+from .record_args import check_buffers, check_recorder
 from .recorded_call import HOT_CALLS_MAX, POISON_F32, RecordedCall
 from .timeline import Timeline
 
@@ -439,6 +441,8 @@ class Exl3MoeMlp:
         # (hidden shape, ids shape, ids dtype, weights dtype, dispatch argument) -> _HotCall (__call__'s hot path)
         self._hot = {}
         self._pinned = set()  # shapes passed to record(): a caller's command buffer uses their scratch
+        self._closed = False  # (_scratch_locked raises once set: close() empties the plans and the hot calls, so
+                              # every call, record and stage list gets there)
         # One forward at a time per layer (the io and scratch buffers are per layer), and no eviction under a
         # running one; reentrant: _forward holds it around _launch_locked.
         self._call_lock = threading.RLock()
@@ -510,6 +514,8 @@ class Exl3MoeMlp:
 
     def _scratch_locked(self, m, top_k):
         """_scratch_for for a caller holding the call lock (a call's path: re-entering it costs ~0.3 us)."""
+        if self._closed:
+            raise closed_op_error(self)
         key = (m, top_k)
         scratch = self._scratch.get(key)
         if scratch is not None:
@@ -638,6 +644,7 @@ class Exl3MoeMlp:
         mode "split" (default) is always safe. mode "persistent" records the single dispatch as the launch plan
         allows it; a recorded launch cannot re-run itself, so check `aborted(m, top_k)` after the submission
         (and call `reset_after_abort(m, top_k)` and re-run split if it says so). __call__ does all of that."""
+        check_recorder(self.device, cmd)
         if m <= 0:
             return None
         self._check_record(hidden_buf, ids_buf, weights_buf, out_buf, m, top_k)
@@ -662,11 +669,8 @@ class Exl3MoeMlp:
     def _check_record(self, hidden_buf, ids_buf, weights_buf, out_buf, m, top_k):
         if not 1 <= top_k <= MAX_TOP_K:
             raise ValueError(f"top_k={top_k}: expected 1 <= top_k <= {MAX_TOP_K}")
-        need = {"hidden_buf": m * self.H * 2, "ids_buf": m * top_k * 4, "weights_buf": m * top_k * 4,
-                "out_buf": m * self.H * 4}
-        for name, buf in zip(need, (hidden_buf, ids_buf, weights_buf, out_buf)):
-            if buf.size < need[name]:
-                raise ValueError(f"{name} holds {buf.size} bytes; m={m}, top_k={top_k} needs {need[name]}")
+        check_buffers(self.device, {"hidden_buf": (hidden_buf, m * self.H * 2), "ids_buf": (ids_buf, m * top_k * 4),
+                                    "weights_buf": (weights_buf, m * top_k * 4), "out_buf": (out_buf, m * self.H * 4)})
 
     def split_stages(self, hidden_buf: "Buffer", ids_buf: "Buffer", weights_buf: "Buffer", out_buf: "Buffer",
                      m: int, top_k: int):
@@ -1103,6 +1107,8 @@ class Exl3MoeMlp:
 
     def close(self):
         with self._call_lock:  # after a call running in another thread, never under it
+            self._closed = True
+            self._hot.clear()  # (so a later call takes the general path, which raises closed_op_error)
             self.last_run  # noqa: B018 - made now, while the recording whose GPU time it reads exists
             self._transfers.close()
             self._plans.clear()  # (they hold recordings freed next)

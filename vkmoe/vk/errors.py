@@ -27,6 +27,12 @@ class DeviceClosedError(VkmoeError):
     """A vkmoe.Device (or an object made from it) was used after Device.close()."""
 
 
+def closed_op_error(op):
+    """The error of an op or block used after its close(): one message for all of them."""
+    return VkmoeError(f"this {type(op).__name__} is closed (its close() ran, its device memory is freed): make a "
+                      "new one")
+
+
 class DeviceSelectionError(VkmoeError, LookupError):
     """No Vulkan device matched the requested index or name."""
 

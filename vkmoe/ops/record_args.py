@@ -1,0 +1,30 @@
+"""The checks of an op's record(): the caller's command buffer and raw Buffers, named as the caller passed them.
+
+record() appends to a caller's recording and binds the caller's Buffers in place, so nothing copies them and no
+later step would notice a wrong one: a buffer too small would be read or written past its end by the GPU.
+"""
+from ..vk import Buffer, CommandRecorder, VkmoeError
+
+
+def check_recorder(device, cmd):
+    """`cmd`: a CommandRecorder of `device` (TypeError / ValueError naming it)."""
+    if not isinstance(cmd, CommandRecorder):
+        raise TypeError(f"cmd: expected a vkmoe CommandRecorder, got {type(cmd).__name__}")
+    if cmd.device is not device:
+        raise ValueError(f"cmd is a CommandRecorder of another vkmoe.Device ({cmd.device!r}); this op runs on "
+                         f"{device!r}")
+
+
+def check_buffers(device, buffers):
+    """`buffers` {argument name: (Buffer, bytes it must hold)}: each an open vkmoe Buffer of `device` of at least
+    that size (TypeError / ValueError / VkmoeError for a closed one, naming the argument)."""
+    for name, (buf, need) in buffers.items():
+        if not isinstance(buf, Buffer):
+            raise TypeError(f"{name}: expected a vkmoe Buffer, got {type(buf).__name__}")
+        if buf.closed:
+            raise VkmoeError(f"{name} is a closed Buffer")
+        if buf.device is not device:
+            raise ValueError(f"{name} is a Buffer of another vkmoe.Device ({buf.device!r}); this op runs on "
+                             f"{device!r}")
+        if buf.size < need:
+            raise ValueError(f"{name} holds {buf.size} bytes; this call needs {need}")
