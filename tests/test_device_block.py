@@ -78,6 +78,24 @@ def test_block_on_device_matches_float64(blocks, key, m):
                                                                         dtype=np.float64)[0], axis=1))
 
 
+@pytest.mark.parametrize("key", [("qwen3_moe", 0), ("deepseek_v3", 0), ("deepseek_v4", 1)], ids=lambda k: k[0])
+def test_a_nan_in_a_token_gives_that_token_nan_not_zeros(blocks, key):
+    """A NaN hidden value makes every router logit of its token NaN: the token still takes top_k experts (the
+    NaN ones in index order, routing.py's rule) with NaN weights, so its output row is NaN; it used to get no
+    expert, and a zero row where no shared expert spread the NaN. Other rows keep their bits."""
+    block = blocks[key]
+    x, ids = _hidden(3, seed=21), _tokens(block, 3, seed=21)
+    clean = block(x, input_ids=ids)
+    x[1, 7] = np.nan
+    got = block(x, input_ids=ids)
+    assert np.isnan(got[1]).all(), got[1]
+    assert np.array_equal(got[[0, 2]].view(np.uint32), clean[[0, 2]].view(np.uint32))
+    # (the host reference cannot run it: its routed op refuses NaN routing weights, as Exl3MoeMlp's numpy call
+    # does; the device block has no host step to raise from, so NaN is what it can give)
+    with np.errstate(invalid="ignore", over="ignore"), pytest.raises(ValueError, match="NaN"):
+        block.reference(x, input_ids=ids)
+
+
 def test_fp32_hidden_routes_on_fp32(blocks):
     block = blocks["deepseek_v3", 0]
     x = _hidden(5, seed=3, dtype=np.float32)

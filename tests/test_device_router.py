@@ -306,3 +306,34 @@ def test_selection_never_takes_a_nan_choice(device, n_experts):
     assert not set(ids64[0].tolist()) & set(nan_at)
     assert np.array_equal(ids, ids64)
     np.testing.assert_allclose(wts, w64, rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("n_experts,k", [(64, 8), (300, 8), (1024, 32)])
+@pytest.mark.parametrize("family", sorted(SELECTION_FAMILIES))
+def test_tokens_with_fewer_numbers_than_top_k_take_nan_experts_in_index_order(device, family, n_experts, k):
+    """Fewer than top_k choice values are numbers: the numbers first (descending), then the NaN experts in index
+    order, as the float64 router's stable sort gives them; their weights are NaN, so the token's output is NaN,
+    not a zero row. Every logit NaN (what a NaN hidden value gives); three numbers among NaN experts; k numbers
+    exactly (no NaN is taken). One token per router call: a NaN weight would make every token's logit NaN."""
+    kw, numpy_router = SELECTION_FAMILIES[family]
+    numbers = {"all NaN": {}, "three numbers": {5: 2.0, n_experts - 1: 1.5, 17: -1.0},
+               "k numbers": {e: 2.0 - 0.25 * e for e in range(k)}}
+    for case, known in numbers.items():
+        vals = np.zeros((1, n_experts))
+        vals[0, list(known)] = list(known.values())
+        w, x = _exact_rows(vals)
+        nan_experts = [e for e in range(n_experts) if e not in known]
+        w[nan_experts, 0] = np.nan
+        with np.errstate(invalid="ignore"):
+            z = router_logits(x, w, np.float64)
+            ids64, w64 = numpy_router(z, k)
+        if family == "std" and nan_experts:  # (softmax: one NaN logit makes every score NaN)
+            want = list(range(k))
+        else:
+            want = sorted(known, key=lambda e: (-known[e], e))[:k] + nan_experts[:max(0, k - len(known))]
+        assert ids64[0].tolist() == want, case
+        ids, wts = _route_k(device, family, w, x, k, **kw)
+        assert np.array_equal(ids, ids64), (case, ids, ids64)
+        np.testing.assert_allclose(wts, w64, rtol=2e-6, atol=1e-7, equal_nan=True, err_msg=case)
+        assert np.isnan(wts).all() if nan_experts and (family == "std" or len(known) < k) else \
+            np.isfinite(wts).all(), (case, wts)

@@ -108,7 +108,10 @@ void limit_groups(uint E) {
 // Top-k in one pass: every expert counts the experts that beat it under the tie rule; an expert whose count (its
 // rank) is below top_k takes slot `rank`. So slots come out in descending order with ties to the lower index, as
 // top_k rounds of an argmax would give them, for one barrier instead of top_k. A NaN
-// choice value beats nobody and is never taken, as in an argmax; a slot no expert reaches stays NONE.
+// choice value beats nobody and is ranked after every number: a token with fewer than top_k numbers among its
+// choice values (a NaN logit makes every softmax score NaN) fills the rest of its slots with its NaN experts in
+// index order (fill_nan_slots), as routing.py's stable sort puts NaN last, so their NaN weights reach the output
+// instead of the token silently getting no expert (a zero row).
 //
 // The ranking runs on candidates: first each subgroup ranks its own experts among themselves (subgroup shuffles,
 // no shared memory), and only those within its top_k (per_group of them) go on, to be ranked against each other.
@@ -163,6 +166,24 @@ void select_topk(uint E) {
     barrier();
 }
 
+// Slots the ranking left NONE (fewer than top_k numbers): the NaN experts in index order, after the numbers. Runs
+// only for such a token (a uniform branch); an expert's place among the NaN ones counts the NaN experts below it
+// (E comparisons per expert of this invocation, as the ranking's worst case).
+void fill_nan_slots(uint E) {
+    uint tid = gl_LocalInvocationID.x, top_k = wg_uniform(pc.top_k);
+    if (s_sel[top_k - 1u] != NONE) return;  // (read after select_topk's barrier: the same answer everywhere)
+    uint filled = 0u;
+    for (uint k = 0u; k < top_k; k++) filled += s_sel[k] != NONE ? 1u : 0u;
+    barrier();
+    for (uint e0 = 0u; e0 < E; e0 += 256u) {
+        uint e = min(e0 + tid, E - 1u);
+        uint below = 0u;
+        for (uint j = 0u; j < E; j++) below += j < e && isnan(s_choice[j]) ? 1u : 0u;
+        if (e0 + tid < E && isnan(s_choice[e]) && filled + below < top_k) s_sel[filled + below] = e;
+    }
+    barrier();
+}
+
 void hash_ids(uint t, uint E) {  // ids = tid2eid[input_ids[t]], in table order
     uint tid = gl_LocalInvocationID.x;
     int tok = input_ids[t];
@@ -200,6 +221,7 @@ void router_select(uint t) {
     } else {
         if (FAMILY == ROUTER_DOTS && wg_uniform(pc.n_group) > 1u) limit_groups(E);
         select_topk(E);
+        fill_nan_slots(E);
     }
     write_weights(t);
 }

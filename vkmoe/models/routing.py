@@ -30,7 +30,8 @@ def router_logits(hidden, weight, dtype=np.float32) -> np.ndarray:
 
 def topk_desc(scores: np.ndarray, k: int) -> np.ndarray:
     """Indices of the k largest per row, largest first, lower index first among equals. int64 (m, k)."""
-    # Stable argsort of the negation keeps equal scores in index order; NaN would sort last, never selected.
+    # Stable argsort of the negation keeps equal scores in index order; NaN sorts last: taken only where fewer
+    # than k scores are numbers, in index order (the device router does the same: router_select.glsl).
     return np.argsort(-scores, axis=-1, kind="stable")[..., :k].astype(np.int64)
 
 
