@@ -22,7 +22,10 @@ step() {
 step check_goldens 90 $PY tools/check_goldens
 step check_coop 60 $PY tools/check_coopmat --quick
 step check_coop_moe 60 $PY tools/check_coopmat --moe --quick; el checks
-step pytest_linear 100 $PY -m pytest -q -x -p no:cacheprovider tests/test_linear.py; el pytest
+step pytest_linear 100 $PY -m pytest -q -x -p no:cacheprovider tests/test_linear.py
+# The router's NaN slots (main, a3b1c36: landed on lavapipe's checks) and the device block on this GPU.
+step pytest_router 120 $PY -m pytest -q -x -p no:cacheprovider tests/test_device_router.py tests/test_device_block.py
+el pytest
 dec() {
   step dq_$1 50 $PY tools/bench_moe --shape qwen3 --m 1,4,16 --modes split,persistent --iters 20 --json $R/dq_$1.json
   step dd_$1 40 $PY tools/bench_moe --shape deepseek --m 1,4 --modes split,persistent --iters 10 --json $R/dd_$1.json
