@@ -157,12 +157,14 @@ static void moe_down_item(void *p, int item)
     vkn_gemv_cols(T, c->mid[1] + (size_t)r0 * c->I, nr, c->dout + (size_t)r0 * c->H, j0, j1, c->isa);
 }
 
+/* min / max / clamp written so that a NaN operand comes out NaN, as numpy's np.minimum / np.maximum / np.clip
+ * give it (the reference's act_limit and relu2): a comparison with NaN is false, so each keeps its operand. */
 static float act_product(float g, float u, int act, float L)
 {
     float a;
     if (act == VKN_ACT_SWIGLU_OAI) {
         if (L != 0.0f) {
-            g = g < L ? g : L;
+            g = g > L ? L : g;
             u = u < -L ? -L : (u > L ? L : u);
         }
         return (u + 1.0f) * g / (1.0f + expf(-1.702f * g));
@@ -170,9 +172,9 @@ static float act_product(float g, float u, int act, float L)
     if (act == VKN_ACT_SILU) a = g / (1.0f + expf(-g));
     else if (act == VKN_ACT_GELU) a = 0.5f * g * (1.0f + tanhf(0.797884560803f * (g + 0.044715f * g * g * g)));
     else if (act == VKN_ACT_GELU_ERF) a = 0.5f * g * (1.0f + erff(g * 0.70710678118654752f));
-    else a = u > 0.0f ? u : 0.0f; /* relu2: relu(u)·u */
+    else a = (u > 0.0f || u != u) ? u : 0.0f; /* relu2: relu(u)·u (a -0.0 becomes +0.0, as before) */
     if (L != 0.0f) {
-        a = a < L ? a : L;
+        a = a > L ? L : a;
         u = u < -L ? -L : (u > L ? L : u);
     }
     return a * u;

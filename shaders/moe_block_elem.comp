@@ -19,15 +19,15 @@ float sigmoid(float x) { return 1.0 / (1.0 + exp(-x)); }
 float activate(float g, float u) {
     float L = pc.limit;
     if (pc.act == ACT_SWIGLU_OAI) {
-        if (L != 0.0) { g = min(g, L); u = clamp(u, -L, L); }
+        if (L != 0.0) { g = min_nan(g, L); u = clamp_nan(u, -L, L); }
         return (u + 1.0) * g * sigmoid(1.702 * g);
     }
     float x;
     if (pc.act == ACT_SILU) x = g * sigmoid(g);
     else if (pc.act == ACT_GELU) x = 0.5 * g * (1.0 + tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)));
     else if (pc.act == ACT_GELU_ERF) x = 0.5 * g * (1.0 + erf_approx(g * 0.7071067811865476));
-    else x = max(u, 0.0);
-    if (L != 0.0) { x = min(x, L); u = clamp(u, -L, L); }
+    else x = max_nan(u, 0.0);
+    if (L != 0.0) { x = min_nan(x, L); u = clamp_nan(u, -L, L); }
     return x * u;
 }
 

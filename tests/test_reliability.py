@@ -805,3 +805,81 @@ def test_record_checks_the_recorder_and_buffers_it_is_given(dev, tiny_layer):
             b.close()
     other_dev.close()
     assert not dev.take_validation_messages()
+
+
+# ------------------------------------------------------------ 11: NaN through the activations' act_limit clamp
+NAN_ACTIVATIONS = [("silu", 1.5), ("gelu", 2.0), ("gelu_erf", 2.0), ("relu2", 0.0), ("relu2", 1.5),
+                   ("swiglu_oai", 1.5)]
+
+
+@pytest.mark.parametrize("activation,limit", NAN_ACTIVATIONS)
+def test_a_nan_row_stays_nan_through_the_activation(dev, activation, limit):
+    """A NaN hidden value makes its row's gate and up NaN: the output row is NaN, as the float64 reference's
+    (np.minimum / np.clip keep NaN). GLSL's min / clamp leave NaN undefined, and lavapipe's returned the limit:
+    under an act_limit the row came out finite (silent garbage). Split for every activation, persistent for one
+    (its compile is the slowest); the CPU tier too; the other row keeps the reference's values."""
+    from vkmoe import cpu
+    from vkmoe.exl3 import synthetic
+
+    gate, up, down = synthetic.random_moe_layer(256, 128, 8, activation=activation, seed=2)
+    x = (np.random.default_rng(3).standard_normal((2, 256)) * 0.5).astype(np.float16)
+    x[1, 9] = np.nan
+    ids, w = np.array([[0, 5], [2, 7]], np.int32), np.array([[0.75, 0.25], [0.5, 0.5]], np.float32)
+    with np.errstate(invalid="ignore"):
+        ref = reference.moe_forward(x, ids, w, gate, up, down, activation=activation, act_limit=limit)
+    assert np.isnan(ref[1]).all() and np.isfinite(ref[0]).all()
+    modes = ("split", "persistent") if (activation, limit) == ("swiglu_oai", 1.5) else ("split",)
+    with vkmoe.Exl3MoeMlp(dev, gate, up, down, activation=activation, act_limit=limit) as moe:
+        for mode in modes:
+            y = moe(x, ids, w, dispatch=mode)
+            assert moe.last_run["mode"] == mode
+            assert np.isnan(y[1]).all(), (mode, y[1][:8])
+            assert rel_rms(y[:1], ref[:1]) < TOL
+    y = cpu.moe_forward(x, ids, w, gate, up, down, activation=activation, act_limit=limit)
+    assert np.isnan(y[1]).all() and rel_rms(y[:1], ref[:1]) < TOL
+    assert not dev.take_validation_messages()
+
+
+@pytest.mark.parametrize("activation,limit", NAN_ACTIVATIONS)
+def test_the_shared_expert_activation_keeps_nan(dev, activation, limit):
+    """The device block's shared-expert activation (moe_block_elem ELEM_ACTIVATE) against reference._activate:
+    numbers within one fp16 rounding, and a NaN gate or up value gives NaN (under act_limit too), never the
+    limit. Output poisoned first."""
+    from vkmoe import layout
+    from vkmoe.ops import kernels
+    from vkmoe.ops.block import ElemPush
+
+    rng = np.random.default_rng(4)
+    n = 512
+    g = (rng.standard_normal(n) * 2.0).astype(np.float16)
+    u = (rng.standard_normal(n) * 2.0).astype(np.float16)
+    g[[3, 100]] = np.nan
+    u[[7, 100, 300]] = np.nan
+    want = reference._activate(g.astype(np.float32), u.astype(np.float32), activation, limit).astype(np.float16)
+    nan_at = np.isnan(want)
+    assert nan_at[[7, 100, 300]].all() and (activation == "relu2" or nan_at[3])
+    pipe = kernels.pipeline(dev, "moe_block_elem", ElemPush)
+    bufs = [dev.memory.allocate(n * 2) for _ in range(3)]
+    try:
+        bufs[0].upload(g)
+        bufs[1].upload(u)
+        bufs[2].upload(np.full(n, 0x7E01, np.uint16))  # poison: a NaN that no activation writes
+        with vkmoe.CommandRecorder(dev) as rec:
+            rec.begin()
+            dset = pipe.bind(*bufs)
+            rec.dispatch(pipe, dset, layout.fold_grid(layout.ceil_div(n // 2, layout.WORKGROUP_SIZE)),
+                         ElemPush(pairs=n // 2, cols=1, mode=layout.ELEM_ACTIVATE,
+                                  act=layout.ACTIVATIONS[activation], limit=limit, has_gate=0))
+            rec.end()
+            rec.submit(wait=True)
+            dset.free()
+        got = bufs[2].download(np.uint16, (n,))
+    finally:
+        for b in bufs:
+            b.close()
+    assert not (got == 0x7E01).any()
+    got = got.view(np.float16)
+    assert np.array_equal(np.isnan(got), nan_at), np.flatnonzero(np.isnan(got) != nan_at)
+    np.testing.assert_allclose(got[~nan_at].astype(np.float32), want[~nan_at].astype(np.float32), rtol=2e-3,
+                               atol=2e-3)
+    assert not dev.take_validation_messages()

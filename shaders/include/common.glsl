@@ -40,6 +40,13 @@ float f16_at(uint word, uint index) { vec2 v = unpackHalf2x16(word); return (ind
 #define WG_BARRIER_PUBLISH() controlBarrier(gl_ScopeWorkgroup, gl_ScopeWorkgroup, \
     gl_StorageSemanticsBuffer | gl_StorageSemanticsShared, \
     gl_SemanticsAcquireRelease | gl_SemanticsMakeAvailable | gl_SemanticsMakeVisible)
+// min / max / clamp that keep a NaN first operand, as numpy's np.minimum / np.maximum / np.clip do (the float64
+// reference's act_limit and relu2): GLSL leaves NaN operands of min / max / clamp undefined, and lavapipe returned
+// the other operand, so a NaN hidden value gave a finite output under an act_limit. Numbers get min / max / clamp.
+float min_nan(float a, float b) { return isnan(a) ? a : min(a, b); }
+float max_nan(float a, float b) { return isnan(a) ? a : max(a, b); }
+float clamp_nan(float x, float lo, float hi) { return isnan(x) ? x : clamp(x, lo, hi); }
+
 // erf for the gelu_erf activation (the MoE stages and the device block's shared expert).
 float erf_approx(float x) {  // Abramowitz-Stegun 7.1.26, |error| < 1.5e-7 (below fp16 resolution)
     float t = 1.0 / (1.0 + 0.3275911 * abs(x));

@@ -401,18 +401,18 @@ float act_gelu_erf(float x) { return rn16(0.5 * x * (1.0 + erf_approx(x * 0.7071
 float activate(float g, float u) {
     float L = pc.act_limit;
     if (ACT == ACT_SWIGLU_OAI) {
-        if (L != 0.0) { g = min(g, L); u = clamp(u, -L, L); }
+        if (L != 0.0) { g = min_nan(g, L); u = clamp_nan(u, -L, L); }
         return rn16((u + 1.0) * g * (1.0 / (1.0 + exp(-1.702 * g))));
     }
     float a;
     if (ACT == ACT_SILU) a = act_silu(g);
     else if (ACT == ACT_GELU) a = act_gelu_tanh(g);
     else if (ACT == ACT_GELU_ERF) a = act_gelu_erf(g);
-    else a = max(u, 0.0);
+    else a = max_nan(u, 0.0);
     if (L != 0.0) {
         float L16 = rn16(L);
-        u = clamp(u, -L16, L16);
-        a = min(a, L16);
+        u = clamp_nan(u, -L16, L16);
+        a = min_nan(a, L16);
     }
     return rn16(a * u);
 }
