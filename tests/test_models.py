@@ -190,6 +190,21 @@ def test_block_rejects_bad_hidden(qwen_dir):
         block(np.zeros((2, 128), np.float16))
 
 
+@pytest.mark.parametrize("bad,arch", [(np.nan, "qwen3"), (np.nan, "deepseek"), (np.inf, "qwen3")])
+def test_cpu_block_names_the_token_whose_routing_is_not_finite(qwen_dir, deepseek_dir, bad, arch):
+    """A NaN hidden value (or an Inf under softmax, whose scores it turns to NaN; sigmoid maps Inf to 1): the CPU
+    backend refuses the token's non-finite routing weights naming hidden and the token (the routed op's own check
+    would name expert_weights, which the caller never passed)."""
+    for path in (qwen_dir if arch == "qwen3" else deepseek_dir,):
+        block = SparseMoeBlock.from_checkpoint(path, 0, backend="cpu")
+        x = np.full((3, 256), 0.1, np.float16)
+        x[1, 5] = bad
+        with pytest.raises(ValueError, match="hidden: token 1's routing weights are not finite"), \
+                np.errstate(invalid="ignore", over="ignore"):
+            block(x)
+        assert np.isfinite(block(x[[0, 2]])).all()
+
+
 def test_block_picks_cpu_without_vulkan(qwen_dir):
     with registry.simulate_no_vulkan():
         block = SparseMoeBlock.from_checkpoint(qwen_dir, 0)

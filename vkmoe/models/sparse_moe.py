@@ -266,6 +266,11 @@ class SparseMoeBlock:
         if m == 0:
             return np.zeros((0, self.config.hidden_size), np.float32)
         ids, wts = self.route(h, input_ids, residual=residual)
+        finite = np.isfinite(wts).all(axis=1)
+        if not finite.all():  # (else the routed op would name expert_weights, which the caller never passed)
+            raise ValueError(f"hidden: token {int(np.flatnonzero(~finite)[0])}'s routing weights are not finite (a "
+                             f"NaN or Inf in its hidden values or the router's weights); the {self.backend} backend "
+                             "refuses them (the vulkan backend returns that token's row as NaN)")
         x16 = np.ascontiguousarray(h, dtype=np.float16)
         xe = self._expert_input(h, residual)
         if self.latent_ops:  # LatentMoE: fc1's fp16 output feeds the experts, as exllamav3's latent_in hands on
