@@ -127,8 +127,8 @@ class DeviceMoeBlock:
         # (hidden shape, hidden dtype) -> (call key, its _calls entry, routed plan key, plan, prepared): __call__'s hot
         # path for numpy hidden (Exl3MoeMlp's hot calls, the same idea)
         self._hot = {}
-        self._closed = False  # (_scratch_for raises once set; close() empties the calls and the hot ones, so every
-                              # call and record gets there)
+        self._closed = False  # (_general_call and _scratch_for raise once set, before the routed op would name
+                              # itself; close() empties the hot calls, so every call and record gets there)
         self._dummy = device.memory.allocate(16)  # the token ids of a router that reads none
         self._transfers = CallTransfers(device)
         self._lock = threading.RLock()  # one call at a time: the scratch and io buffers are per block
