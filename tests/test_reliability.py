@@ -299,6 +299,29 @@ def test_oversized_batch_is_rejected_without_allocating(dev, tiny_layer):
 
 
 # ------------------------------------------------------------------------- 7: arrays shared with the caller
+def test_oversized_linear_batch_names_x_without_allocating(dev):
+    """An Exl3Linear call whose x, output or k-split partials would pass maxStorageBufferRange: a ValueError naming
+    x and its rows, before anything is allocated or any cached shape evicted; the layer still works."""
+    from test_linear import make_tensor, make_x
+
+    k = n = 2048
+    limit = dev.limits.maxStorageBufferRange
+    big_x, big_partial = limit // (2 * k) + 1, limit // (4 * n) + 1  # (lavapipe: 32769 and 16385 rows)
+    assert big_partial * k * 2 <= limit, "x itself would be too large: pick another k"
+    tensor = make_tensor(k, n, 4, "mul1", seed=5)
+    with vkmoe.Exl3Linear(dev, tensor) as lin:
+        x = make_x(2, k)
+        want = lin(x)
+        before = _bytes_in_use(dev)
+        for m, what in ((big_x, "its fp16 copy"), (big_partial, "the GEMM's k-split partials")):
+            with pytest.raises(ValueError, match=rf"x: {m} rows: {what} would need \d+ bytes, more than this "
+                                                 r"device's maxStorageBufferRange"):
+                lin(np.zeros((m, k), np.float16))
+            assert _bytes_in_use(dev) == before
+        assert np.array_equal(lin(x).view(np.uint16), want.view(np.uint16))
+        assert rel_rms(want.astype(np.float32), reference.linear_forward(x, tensor).astype(np.float32)) < TOL
+
+
 def test_exl3_tensor_keeps_its_own_read_only_arrays(tiny_layer):
     t0 = tiny_layer.up[0]
     trellis, suh, svh = t0.trellis.copy(), t0.suh.copy(), t0.svh.copy()

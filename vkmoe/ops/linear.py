@@ -96,6 +96,13 @@ def _release_linear(io, sets, scratch, owned, bound):
     owned.clear()
 
 
+def _partial_bytes(plan, m, n):
+    """Bytes of the fp32 k-split partials of an m-row GEMM plan (the cooperative-matrix GEMM stores whole row
+    tiles: row_chunks * rows rows)."""
+    rows = plan.row_chunks * plan.rows if plan.coop else m
+    return plan.splits * rows * n * 4
+
+
 class Exl3Linear:
     """One EXL3 linear layer resident on `device`. `layer(x)` for x (m, k) float16 returns (m, n) float16."""
 
@@ -142,9 +149,7 @@ class Exl3Linear:
         if key not in self._scratch:
             mem = self.device.memory
             xh = mem.allocate(16 if plan.direct else m * self.k * 2)  # (direct mode has no input Hadamard output)
-            # the cooperative-matrix GEMM stores whole row tiles: its partials have row_chunks * rows rows
-            rows = plan.row_chunks * plan.rows if plan.coop else m
-            partial = mem.allocate(plan.splits * rows * self.n * 4)
+            partial = mem.allocate(_partial_bytes(plan, m, self.n))
             words = layout.linear_counter_words(plan.row_chunks, self.n)
             counters = mem.allocate(words * 4)
             counters.upload(np.zeros(words, np.uint32))
@@ -277,6 +282,7 @@ class Exl3Linear:
         if m in self._io:
             self._io.move_to_end(m)
             return self._io[m]
+        self._check_batch_fits(m)  # (before evicting anything for it)
         # A server sees every m: the least recently used beyond VKMOE_SHAPE_CACHE go (called under the lock)
         while len(self._io) >= knobs.get("VKMOE_SHAPE_CACHE"):
             old, entry = self._io.popitem(last=False)
@@ -296,6 +302,16 @@ class Exl3Linear:
             raise
         self._io[m], self._sets[m] = (xb, yb, call), sets
         return self._io[m]
+
+    def _check_batch_fits(self, m):
+        """ValueError naming x when a buffer of an m-row call would pass the device's maxStorageBufferRange."""
+        limit = self.device.limits.maxStorageBufferRange
+        plan = gemm_plan(self.device, m, self.k, self.n)
+        for what, nbytes in (("its fp16 copy", m * self.k * 2), ("the output", m * self.n * 2),
+                             ("the GEMM's k-split partials", _partial_bytes(plan, m, self.n))):
+            if nbytes > limit:
+                raise ValueError(f"x: {m} rows: {what} would need {nbytes} bytes, more than this device's "
+                                 f"maxStorageBufferRange ({limit}); split the batch")
 
     def _record_call(self, m, xb, yb, bound=None):
         """(RecordedCall, descriptor sets) of the forward of m rows on the io buffers xb, yb; bound: (x Buffer or
