@@ -282,7 +282,8 @@ class Exl3Linear:
         if m in self._io:
             self._io.move_to_end(m)
             return self._io[m]
-        self._check_batch_fits(m)  # (before evicting anything for it)
+        io_bytes = [m * self.k * 2, m * self.n * 2]  # x and y, fp16
+        self._check_batch_fits(m, io_bytes)  # (before evicting anything for it)
         # A server sees every m: the least recently used beyond VKMOE_SHAPE_CACHE go (called under the lock)
         while len(self._io) >= knobs.get("VKMOE_SHAPE_CACHE"):
             old, entry = self._io.popitem(last=False)
@@ -293,7 +294,7 @@ class Exl3Linear:
                 for b in self._scratch.pop(key):
                     b.close()
         mem = self.device.memory
-        xb, yb = mem.allocate_all([m * self.k * 2, m * self.n * 2], kinds=["upload", "readback"])
+        xb, yb = mem.allocate_all(io_bytes, kinds=["upload", "readback"])
         try:
             call, sets = self._record_call(m, xb, yb)
         except BaseException:  # a recording that failed (e.g. on a closed device) leaves nothing behind
@@ -303,11 +304,12 @@ class Exl3Linear:
         self._io[m], self._sets[m] = (xb, yb, call), sets
         return self._io[m]
 
-    def _check_batch_fits(self, m):
-        """ValueError naming x when a buffer of an m-row call would pass the device's maxStorageBufferRange."""
+    def _check_batch_fits(self, m, io_bytes):
+        """ValueError naming x when a buffer of an m-row call (its io buffers of `io_bytes`, its partials) would
+        pass the device's maxStorageBufferRange."""
         limit = self.device.limits.maxStorageBufferRange
         plan = gemm_plan(self.device, m, self.k, self.n)
-        for what, nbytes in (("its fp16 copy", m * self.k * 2), ("the output", m * self.n * 2),
+        for what, nbytes in (("its fp16 copy", io_bytes[0]), ("the output", io_bytes[1]),
                              ("the GEMM's k-split partials", _partial_bytes(plan, m, self.n))):
             if nbytes > limit:
                 raise ValueError(f"x: {m} rows: {what} would need {nbytes} bytes, more than this device's "

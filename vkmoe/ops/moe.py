@@ -438,7 +438,7 @@ class Exl3MoeMlp:
         # (m, top_k, dispatch argument: None or a mode) -> _CallPlan. Not a resource the finalizer frees: its
         # paths reference the layer (close() and _evict_shapes drop plans with what they use).
         self._plans = {}
-        # (hidden shape, ids shape, ids dtype, weights dtype, dispatch argument) -> _HotCall (__call__'s hot path)
+        # (every input's shape and dtype, dispatch argument) -> _HotCall (__call__'s hot path)
         self._hot = {}
         self._pinned = set()  # shapes passed to record(): a caller's command buffer uses their scratch
         self._closed = False  # (_scratch_locked raises once set: close() empties the plans and the hot calls, so
