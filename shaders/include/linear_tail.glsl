@@ -29,22 +29,6 @@ uint linear_share_groups(uint nr, uint splits) {
     return LINEAR_CAN_SHARE && nr == 1u && splits >= LINEAR_SHARE_MIN_SPLITS ? LINEAR_SHARE_GROUPS : 1u;
 }
 
-// had_v = this lane group's share of the split sum (splits g, g + G, ... of n, in that order); the same trip
-// count in every invocation (split_sum's rules).
-void split_sum_had_share(uint first, uint stride, uint n, uint g, uint G) {
-    [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) had_v[j] = 0.0;
-    uint per_group = (n + G - 1u) / G;
-    for (uint s0 = 0u; s0 < per_group; s0 += SPLIT_SUM_BATCH) {
-        float x[SPLIT_SUM_BATCH][HAD_MAX_VALS];
-        [[unroll]] for (uint b = 0u; b < SPLIT_SUM_BATCH; ++b) {
-            uint base = first + min(g + (s0 + b) * G, n - 1u) * stride;
-            [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) x[b][j] = partial[base + j];
-        }
-        [[unroll]] for (uint b = 0u; b < SPLIT_SUM_BATCH; ++b)
-            if (g + (s0 + b) * G < n) { [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) had_v[j] += x[b][j]; }
-    }
-}
-
 // Rows row0 .. row0+nr-1 of one band, HAD_PASS_ROWS per pass (nr uniform); split s of a row's partial is at
 // s * split_stride + row * n + column. Rows past nr run on row nr - 1 and are dropped.
 void linear_output_band(uint band, uint row0, uint nr, uint split_stride) {

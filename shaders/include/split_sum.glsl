@@ -23,21 +23,25 @@ float split_sum(uint first, uint stride, uint n) {
 }
 
 #ifdef HADAMARD128_GLSL
-// had_v[j] (j < HAD_VALS) = the sum over the n k-splits of partial[first + s * stride + j] (each invocation of a
-// Hadamard tail holds HAD_VALS consecutive columns of its row), added in split order: the same bits as the plain
-// loop, with split_sum's rules (the same n in every invocation; loads past the last split repeat it).
-void split_sum_had(uint first, uint stride, uint n) {
+// had_v[j] (j < HAD_VALS) = the sum over k-splits g, g + G, g + 2G, ... (< n) of partial[first + s * stride + j]
+// (each invocation of a Hadamard tail holds HAD_VALS consecutive columns of its row), added in that order: with
+// g = 0, G = 1 (split_sum_had) every split in split order, the same bits as the plain loop; the linear's tail
+// shares a one-row band's splits over G lane groups (linear_tail.glsl). split_sum's rules: the same n, G in every
+// invocation (the trip count); loads past the last split repeat it.
+void split_sum_had_share(uint first, uint stride, uint n, uint g, uint G) {
     [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) had_v[j] = 0.0;
-    for (uint s0 = 0u; s0 < n; s0 += SPLIT_SUM_BATCH) {
+    uint per_group = (n + G - 1u) / G;
+    for (uint s0 = 0u; s0 < per_group; s0 += SPLIT_SUM_BATCH) {
         float x[SPLIT_SUM_BATCH][HAD_MAX_VALS];
         [[unroll]] for (uint b = 0u; b < SPLIT_SUM_BATCH; ++b) {
-            uint base = first + min(s0 + b, n - 1u) * stride;
+            uint base = first + min(g + (s0 + b) * G, n - 1u) * stride;
             [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) x[b][j] = partial[base + j];
         }
         [[unroll]] for (uint b = 0u; b < SPLIT_SUM_BATCH; ++b)
-            if (s0 + b < n) { [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) had_v[j] += x[b][j]; }
+            if (g + (s0 + b) * G < n) { [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) had_v[j] += x[b][j]; }
     }
 }
+void split_sum_had(uint first, uint stride, uint n) { split_sum_had_share(first, stride, n, 0u, 1u); }
 // Two such sums of the same length at once (stage 3's gate and up rows): had_v = the first, sum_b = the second.
 // Every load of both is issued before any add, so the tail waits for one round trip to L2 where two sums one
 // after the other (each behind a Hadamard transform) waited for two. Same bits and rules as split_sum_had.
