@@ -298,7 +298,7 @@ def test_bad_device_inputs(blocks, device, dev):
     block, hash_block = blocks["qwen3_moe", 0], blocks["deepseek_v4", 0]
     x = _hidden(2, seed=1)
     with DeviceArray.from_numpy(dev, x) as foreign:
-        with pytest.raises(ValueError, match="hidden is a DeviceArray on"):
+        with pytest.raises(ValueError, match="hidden is a DeviceArray of another vkmoe.Device"):
             block(foreign)
     with DeviceArray.from_numpy(device, x.astype(np.float64)) as wide:
         with pytest.raises(TypeError, match="hidden must be float16 or float32"):

@@ -906,3 +906,50 @@ def test_the_shared_expert_activation_keeps_nan(dev, activation, limit):
     np.testing.assert_allclose(got[~nan_at].astype(np.float32), want[~nan_at].astype(np.float32), rtol=2e-3,
                                atol=2e-3)
     assert not dev.take_validation_messages()
+
+
+def test_constructors_name_a_device_argument_that_is_not_a_device(tiny_layer):
+    """Every constructor that takes a device says so when given something else (was an AttributeError such as
+    "'NoneType' object has no attribute 'limits'"); nothing is allocated before the check."""
+    from vkmoe.ops.block import DeviceMoeBlock
+    from vkmoe.ops.device_array import DeviceArray
+    from vkmoe.ops.router import DeviceRouter, RouterGemv
+    from test_linear import make_tensor
+
+    L = tiny_layer
+    x = np.zeros((2, L.hidden_size), np.float16)
+    router_w = np.zeros((8, L.hidden_size), np.float16)
+    for bad in (None, "gpu", 0):
+        for make in (lambda: vkmoe.Exl3MoeMlp(bad, L.gate, L.up, L.down, activation="silu"),
+                     lambda: vkmoe.Exl3Linear(bad, make_tensor(256, 128, 4, "mul1", seed=1)),
+                     lambda: vkmoe.CommandRecorder(bad),
+                     lambda: DeviceArray.from_numpy(bad, x),
+                     lambda: DeviceArray.empty(bad, (2, 3), np.float32),
+                     lambda: RouterGemv(bad, router_w),
+                     lambda: DeviceRouter(bad, "std", router_w, 2),
+                     lambda: DeviceMoeBlock(bad, None, None, 2)):
+            with pytest.raises(TypeError, match=f"device: expected a vkmoe.Device, got {type(bad).__name__}"):
+                make()
+
+
+def test_an_argument_of_a_second_device_object_of_the_same_gpu_says_so(dev, tiny_layer):
+    """Two Device objects of one GPU print alike, so "x is a DeviceArray on <Device 0 ...>; this op runs on
+    <Device 0 ...>" read as a contradiction: the message now says that the arrays belong to the other object."""
+    from vkmoe.ops.device_array import DeviceArray
+    from vkmoe.vk.errors import foreign_device_error
+
+    L, c = tiny_layer, tiny_layer.calls[0]
+    other = vkmoe.Device()
+    try:
+        with vkmoe.Exl3MoeMlp(dev, L.gate, L.up, L.down, activation="silu") as moe, \
+                DeviceArray.from_numpy(other, c["x"]) as foreign:
+            with pytest.raises(ValueError, match=r"hidden is a DeviceArray of another vkmoe\.Device \(.*\) \(a second "
+                                                 r"Device object of the same GPU: .*\); this op runs on"):
+                moe(foreign, c["selected"], c["weights"])
+            assert np.isfinite(moe(c["x"], c["selected"], c["weights"])).all()  # the op is still usable
+    finally:
+        other.close()
+    # Devices that print differently get no such remark.
+    err = foreign_device_error("x", "Buffer", "<vkmoe.Device 1: B>", "<vkmoe.Device 0: A>")
+    assert str(err) == "x is a Buffer of another vkmoe.Device ('<vkmoe.Device 1: B>'); this op runs on '<vkmoe.Device 0: A>'"
+    assert not dev.take_validation_messages()

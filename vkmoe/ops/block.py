@@ -25,7 +25,7 @@ import threading
 import numpy as np
 
 from .. import knobs, layout
-from ..vk import CommandRecorder, PushConstants, fastcall
+from ..vk import CommandRecorder, PushConstants, expect_device, fastcall
 from ..vk.errors import closed_op_error
 from . import kernels
 from .device_array import CallTransfers, DeviceArray, close_recording, last_gpu_ms, resolve_out
@@ -99,6 +99,7 @@ class DeviceMoeBlock:
 
     def __init__(self, device, router, moe, top_k, shared=None, shared_gate_weight=None, activation="silu",
                  shared_act_limit=0.0, norms=None, eps=1e-6, latent=None):
+        expect_device(device)
         self.device, self.router, self.moe, self.top_k = device, router, moe, top_k
         self.latent = latent
         self.H, self.E, self.L = moe.H, router.E, 0

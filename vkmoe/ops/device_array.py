@@ -14,7 +14,8 @@ from collections import OrderedDict
 
 import numpy as np
 
-from ..vk import CommandRecorder, DeviceClosedError, VkmoeError
+from ..vk import CommandRecorder, DeviceClosedError, VkmoeError, expect_device
+from ..vk.errors import foreign_device_error
 
 
 class DeviceArray:
@@ -42,6 +43,7 @@ class DeviceArray:
     @classmethod
     def empty(cls, device, shape, dtype):
         """An uninitialised DeviceArray in device memory (no buffer at all when it has no elements)."""
+        expect_device(device)
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
         buffer = device.memory.allocate(nbytes) if nbytes else None
         arr = cls(buffer, shape, dtype, owned=True)
@@ -51,6 +53,7 @@ class DeviceArray:
     @classmethod
     def from_numpy(cls, device, array):
         """A DeviceArray holding a copy of `array`."""
+        expect_device(device)
         if not isinstance(array, np.ndarray):
             raise TypeError(f"array must be a numpy array, got {type(array).__name__}")
         arr = cls.empty(device, array.shape, array.dtype)
@@ -91,7 +94,7 @@ class DeviceArray:
         if self.closed:
             raise VkmoeError(f"{name} is a closed DeviceArray (its buffer or its device was closed)")
         if self._device is not device:
-            raise ValueError(f"{name} is a DeviceArray on {self._device!r}; this op runs on {device!r}")
+            raise foreign_device_error(name, "DeviceArray", self._device, device)
         # (a numpy dtype equals its scalar type: no np.dtype() per call; the ops pass dtypes, and numpy's builtin
         # ones are singletons: `is` is the usual answer)
         if self.dtype is not dtype and self.dtype != dtype:

@@ -10,7 +10,7 @@ import numpy as np
 
 from .. import knobs, layout
 from ..exl3 import Exl3Tensor
-from ..vk import CommandRecorder
+from ..vk import CommandRecorder, expect_device
 from ..vk.errors import closed_op_error
 from . import kernels
 from .device_array import (CallTransfers, DeviceArray, RepeatedArrays, close_recording, last_gpu_ms,
@@ -107,6 +107,7 @@ class Exl3Linear:
     """One EXL3 linear layer resident on `device`. `layer(x)` for x (m, k) float16 returns (m, n) float16."""
 
     def __init__(self, device: "Device", tensor: Exl3Tensor):
+        expect_device(device)
         if not isinstance(tensor, Exl3Tensor):
             raise TypeError(f"tensor must be a vkmoe.Exl3Tensor, got {type(tensor).__name__}")
         self.device, self.tensor = device, tensor

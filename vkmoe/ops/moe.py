@@ -21,7 +21,8 @@ from ..layout import ROUTE_MAX_EXPERTS as MAX_EXPERTS
 from ..sched import occupancy
 from ..sched.plan import DecisionInputs, coop_split_reason, decide, persistent_plan
 from ..exl3.reference import F32_MAX, check_op_routing
-from ..vk import CommandRecorder, DeviceClosedError, GpuTime, PushConstants, TimeoutError, VkmoeError
+from ..vk import (CommandRecorder, DeviceClosedError, GpuTime, PushConstants, TimeoutError, VkmoeError,
+                  expect_device)
 from ..vk import fastcall
 from ..vk.errors import closed_op_error
 from ..vk.fastcall import BoundedRule, IndexRule
@@ -359,6 +360,7 @@ class Exl3MoeMlp:
     def __init__(self, device: "Device", gate: "list[Exl3Tensor] | None", up: "list[Exl3Tensor]",
                  down: "list[Exl3Tensor]", activation: str = "silu", act_limit: float = 0.0,
                  dispatch: "str | None" = None):
+        expect_device(device)
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
         self.activation, self.gated = activation, activation != "relu2"

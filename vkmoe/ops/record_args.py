@@ -4,6 +4,7 @@ record() appends to a caller's recording and binds the caller's Buffers in place
 later step would notice a wrong one: a buffer too small would be read or written past its end by the GPU.
 """
 from ..vk import Buffer, CommandRecorder, VkmoeError
+from ..vk.errors import foreign_device_error
 
 
 def check_recorder(device, cmd):
@@ -11,8 +12,7 @@ def check_recorder(device, cmd):
     if not isinstance(cmd, CommandRecorder):
         raise TypeError(f"cmd: expected a vkmoe CommandRecorder, got {type(cmd).__name__}")
     if cmd.device is not device:
-        raise ValueError(f"cmd is a CommandRecorder of another vkmoe.Device ({cmd.device!r}); this op runs on "
-                         f"{device!r}")
+        raise foreign_device_error("cmd", "CommandRecorder", cmd.device, device)
 
 
 def check_buffers(device, buffers):
@@ -24,7 +24,6 @@ def check_buffers(device, buffers):
         if buf.closed:
             raise VkmoeError(f"{name} is a closed Buffer")
         if buf.device is not device:
-            raise ValueError(f"{name} is a Buffer of another vkmoe.Device ({buf.device!r}); this op runs on "
-                             f"{device!r}")
+            raise foreign_device_error(name, "Buffer", buf.device, device)
         if buf.size < need:
             raise ValueError(f"{name} holds {buf.size} bytes; this call needs {need}")

@@ -14,7 +14,7 @@ import numpy as np
 from .. import layout
 from ..layout import MAX_GRID_X, MAX_TOP_K, ROUTER_FAMILIES, ROUTER_MAX_GROUPS
 from ..layout import ROUTE_MAX_EXPERTS as MAX_EXPERTS
-from ..vk import CommandRecorder, PushConstants
+from ..vk import CommandRecorder, PushConstants, expect_device
 from . import kernels
 from .device_array import close_recording
 from .recorded_call import POISON_F32
@@ -54,6 +54,7 @@ class RouterGemv:
     """logits (m, E) fp32 = x (m, H) · Wᵀ on the device, W (E, H) uploaded once in its own precision."""
 
     def __init__(self, device, weight):
+        expect_device(device)
         w = np.asarray(weight)
         if w.ndim != 2 or w.shape[1] % 8:  # the GEMV reads 8 columns at a time (16-byte loads)
             raise ValueError(f"router weight: expected (E, H) with H a multiple of 8, got {w.shape}")

@@ -105,7 +105,11 @@ class CommandRecorder:
     """
 
     def __init__(self, device, timestamps=0, untracked=False):
-        with device.use():  # a concurrent Device.close() waits until the recorder exists and is tracked
+        try:
+            use = device.use
+        except AttributeError:  # (device.expect_device's message; device.py imports this module: no isinstance)
+            raise TypeError(f"device: expected a vkmoe.Device, got {type(device).__name__}") from None
+        with use():  # a concurrent Device.close() waits until the recorder exists and is tracked
             self._create(device, timestamps, untracked)
 
     def _create(self, device, timestamps, untracked):

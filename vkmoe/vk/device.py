@@ -228,6 +228,14 @@ class _DeviceHold:
                 d._idle.notify_all()  # close() waits for the last block
         return False
 
+def expect_device(value, name="device"):
+    """`value` if it is a vkmoe.Device, else a TypeError naming the argument (the constructors that take a device
+    check it first, instead of failing on an attribute of whatever was passed)."""
+    if not isinstance(value, Device):
+        raise TypeError(f"{name}: expected a vkmoe.Device, got {type(value).__name__}")
+    return value
+
+
 class Device:
     """A logical Vulkan device with one compute queue.
 

@@ -33,6 +33,14 @@ def closed_op_error(op):
                       "new one")
 
 
+def foreign_device_error(name, what, theirs, ours):
+    """The error for an argument (a `what`: Buffer, DeviceArray, CommandRecorder) of another vkmoe.Device than the
+    op's. Two Device objects of one GPU print alike, so the message says when that is the case."""
+    same_gpu = (" (a second Device object of the same GPU: memory and command buffers belong to the Device object "
+                "that made them)" if repr(theirs) == repr(ours) else "")
+    return ValueError(f"{name} is a {what} of another vkmoe.Device ({theirs!r}){same_gpu}; this op runs on {ours!r}")
+
+
 class DeviceSelectionError(VkmoeError, LookupError):
     """No Vulkan device matched the requested index or name."""
 
