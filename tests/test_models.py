@@ -311,6 +311,25 @@ def test_layer_out_of_range(qwen_dir):
         SparseMoeBlock.from_checkpoint(qwen_dir, 5, backend="cpu")
 
 
+@pytest.mark.parametrize("bad", ["1", 1.0, True, None])
+def test_layer_index_that_is_not_an_integer_is_named(qwen_dir, bad):
+    """(was "'<' not supported between instances of 'str' and 'int'" for "1", and layer 1 for True)"""
+    with pytest.raises(TypeError, match=r"layer_index: expected an integer, got "):
+        SparseMoeBlock.from_checkpoint(qwen_dir, bad, backend="cpu")
+
+
+def test_route_refuses_a_dtype_it_cannot_compute_in(qwen_dir):
+    """route(dtype=) is the router's arithmetic: an integer dtype gave integer logits and meaningless experts."""
+    block = SparseMoeBlock.from_checkpoint(qwen_dir, 0, backend="cpu")
+    h = _hidden(2)
+    for bad in (np.int32, np.float16, "int64"):
+        with pytest.raises(ValueError, match=r"dtype: the router computes in float32 or float64, got "):
+            block.route(h, dtype=bad)
+    ids32, _ = block.route(h, dtype=np.float32)
+    ids64, _ = block.route(h, dtype=np.float64)
+    assert ids32.shape == (2, block.config.top_k) and np.array_equal(np.sort(ids32, 1), np.sort(ids64, 1))
+
+
 def test_index_points_to_missing_shard(deepseek_dir, tmp_path):
     d = _copy(deepseek_dir, tmp_path)
     os.remove(os.path.join(d, "model-00002-of-00002.safetensors"))

@@ -240,6 +240,8 @@ class SparseMoeBlock:
         """(expert ids int64 (m, top_k), routing weights (m, top_k) in `dtype`), router math in `dtype`."""
         c = self.config
         dt = np.dtype(dtype)
+        if dt not in (np.float32, np.float64):
+            raise ValueError(f"dtype: the router computes in float32 or float64, got {dt}")
         w = self.router_weight if dt == np.float32 else self._router_weight_src
         logits = router_logits(self._router_input(hidden, residual, dt), w, dt)
         if self.router == "std":
@@ -476,6 +478,8 @@ def _load_linear(src, key, k, n, path, why):
 
 def load_block_tensors(ckpt: Checkpoint, config: MoeConfig, layer_index: int) -> dict:
     """The arrays and Exl3Tensors of layer `layer_index`'s MoE block, checked against `config`."""
+    if isinstance(layer_index, bool) or not isinstance(layer_index, (int, np.integer)):
+        raise TypeError(f"layer_index: expected an integer, got {type(layer_index).__name__} {layer_index!r}")
     path, spec = ckpt.path, config.spec
     L = config.num_hidden_layers
     if layer_index < 0 or (L and layer_index >= L):
