@@ -16,9 +16,12 @@ layout(push_constant) uniform Push { uint m; uint k; } pc;
 #include "hadamard128.glsl"
 
 void main() {
+    // The grid is folded into (x, y) within the smallest maxComputeWorkGroupCount (layout.fold_grid); the last
+    // row of workgroups may run past the units (dropped below).
+    uint wg = gl_WorkGroupID.y * gl_NumWorkGroups.x + gl_WorkGroupID.x;
     uint units = pc.m * (pc.k / 128u), c0 = had_col0();
     for (uint r0 = 0u; r0 < HAD_IN_UNITS_PER_WG; r0 += HAD_PASS_ROWS) {
-        uint unit = gl_WorkGroupID.x * HAD_IN_UNITS_PER_WG + r0 + had_row();
+        uint unit = wg * HAD_IN_UNITS_PER_WG + r0 + had_row();
         // Units past the end, or past this workgroup's (a pass of more rows than HAD_IN_UNITS_PER_WG), transform
         // unit 0 and are dropped; this invocation's columns of the row start at word w (whole fp16 pairs: c0 is
         // even).

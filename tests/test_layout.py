@@ -151,4 +151,7 @@ def test_sizes_and_grids():
     assert layout.split_grids(Plan, H, I, gated=False)[1] == (2 * 2, 9)
     assert layout.fold_grid(70000) == (65535, 2)
     assert layout.linear_grid(Plan, 384) == (3, 2, 2)
-    assert layout.had_in_grid(5, 384) == layout.ceil_div(15, layout.HAD_IN_UNITS_PER_WG)
+    assert layout.had_in_grid(5, 384) == (layout.ceil_div(15, layout.HAD_IN_UNITS_PER_WG), 1)
+    # folded within the smallest maxComputeWorkGroupCount[0] (the shader recombines x and y)
+    wgs = layout.ceil_div(40000 * 16, layout.HAD_IN_UNITS_PER_WG)
+    assert layout.had_in_grid(40000, 2048) == (layout.MAX_GRID_X, layout.ceil_div(wgs, layout.MAX_GRID_X))

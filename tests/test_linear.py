@@ -346,3 +346,21 @@ def test_record_chained(device):
             for b in bufs:
                 b.close()
     assert np.array_equal(got.view(np.uint16), want2.view(np.uint16))
+
+
+def test_input_hadamard_grid_folds_past_the_workgroup_count_limit(device):
+    """exl3_had_in's workgroups fold into (x, y) within maxComputeWorkGroupCount[0] >= 65535 (layout.fold_grid): a
+    k = 256 linear at m = 131074 needs 65537 of them (was 'exl3_had_in: 65537 workgroups on axis 0 exceeds the
+    device limit 65535'; k = 2048 reached it at m = 16384). Rows on both sides of the fold match the reference."""
+    from vkmoe import layout
+
+    k, n, m = 256, 128, 131074
+    assert layout.had_in_grid(m, k)[1] == 2, "pick an m whose input Hadamard needs a second row of workgroups"
+    tensor = make_tensor(k, n, 4, "mul1", seed=11)
+    x = make_x(m, k, seed=12)
+    with vkmoe.Exl3Linear(device, tensor) as lin:
+        y = lin(x)
+    assert y.shape == (m, n) and np.isfinite(y).all()
+    for rows in (slice(0, 64), slice(131008, m)):  # the first workgroups, and those of the folded second row
+        ref = reference.linear_forward(x[rows], tensor)
+        assert rel_rms(y[rows].astype(np.float32), ref.astype(np.float32)) < TOL

@@ -290,7 +290,8 @@ def test_oversized_batch_is_rejected_without_allocating(dev, tiny_layer):
     with vkmoe.Exl3MoeMlp(dev, L.gate, L.up, L.down, activation="silu", dispatch="split") as moe:
         before = _bytes_in_use(dev)
         for _ in range(3):
-            with pytest.raises(ValueError, match="maxStorageBufferRange"):
+            with pytest.raises(ValueError, match=rf"hidden: {m} rows x top_k 2: the routed op's .* would need \d+ "
+                                                 r"bytes, more than this device's maxStorageBufferRange"):
                 moe(x, ids, w)
             assert _bytes_in_use(dev) == before
         y = moe(x[:2], ids[:2], w[:2])  # the layer still works
@@ -808,6 +809,20 @@ def test_record_checks_the_recorder_and_buffers_it_is_given(dev, tiny_layer):
             args[0 if name == "cmd" else 1 + list(sizes).index(name)] = bad
             with pytest.raises(error, match=match):
                 moe.record(*args, m, top_k)
+        # m: an integer; 0 records nothing; a negative m recorded nothing silently, a float one failed in the plan
+        for bad_m, error, match in ((-1, ValueError, "m: expected an integer >= 0, got -1"),
+                                    (1.5, TypeError, "m: expected an integer number of rows, got float 1.5"),
+                                    ("2", TypeError, "m: expected an integer number of rows, got str '2'"),
+                                    (True, TypeError, "m: expected an integer number of rows, got bool True")):
+            with pytest.raises(error, match=match):
+                moe.record(rec, *moe_args, bad_m, top_k)
+            with pytest.raises(error, match=match):
+                lin.record(rec, bufs["hidden_buf"], bufs["hidden_buf"], bad_m)
+        for stages in (lambda: moe.split_stages(*moe_args, 0, top_k),
+                       lambda: lin.stages(bufs["hidden_buf"], bufs["hidden_buf"], 0)):
+            with pytest.raises(ValueError, match="m: expected an integer >= 1, got 0"):
+                stages()
+        assert moe.record(rec, *moe_args, 0, top_k) is None and lin.record(rec, small, small, 0) is None
         for args, error, match in (
                 ((None, bufs["hidden_buf"], bufs["hidden_buf"]), TypeError, "cmd: expected a vkmoe CommandRecorder"),
                 ((rec, small, bufs["hidden_buf"]), ValueError, f"x_buf holds 16 bytes; this call needs {m * H * 2}"),

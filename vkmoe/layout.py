@@ -242,8 +242,9 @@ def linear_grid(plan, n):
 
 
 def had_in_grid(m, k):
-    """exl3_had_in.comp: one workgroup per HAD_IN_UNITS_PER_WG (row, 128-block) units."""
-    return ceil_div(m * (k // BAND), HAD_IN_UNITS_PER_WG)
+    """exl3_had_in.comp: one workgroup per HAD_IN_UNITS_PER_WG (row, 128-block) units, folded into (x, y) (a
+    k = 2048 linear passes 65535 workgroups at m = 16384)."""
+    return fold_grid(ceil_div(m * (k // BAND), HAD_IN_UNITS_PER_WG))
 
 
 def coop_shared_bytes(rows):

@@ -30,6 +30,7 @@ from ..vk.errors import closed_op_error
 from . import kernels
 from .device_array import CallTransfers, DeviceArray, close_recording, last_gpu_ms, resolve_out
 from .plan import default_target_workgroups
+from .record_args import check_rows
 from .recorded_call import HOT_CALLS_MAX, POISON_F32, RecordedCall
 from .router import RouterGemv, check_tokens
 
@@ -168,6 +169,7 @@ class DeviceMoeBlock:
         caller frees them with its recording). mode: the routed experts' (Exl3MoeMlp.record: "persistent" needs
         `aborted(m)` checked after the submission). pin: keep this m's scratch for good (a caller's recording).
         Independent dispatches share a phase; one barrier closes each phase (docs/DESIGN.md)."""
+        check_rows(m, minimum=1)
         check_tokens(m)
         with self._lock:
             s = self._scratch_for(m)

@@ -17,7 +17,7 @@ from .device_array import (CallTransfers, DeviceArray, RepeatedArrays, close_rec
                            make_room_for_bound, resolve_out)
 from .host_arrays import describe, host_array, out_dtype_of
 from .plan import gemm_plan
-from .record_args import check_buffers, check_recorder
+from .record_args import check_buffers, check_recorder, check_rows
 from .recorded_call import RecordedCall
 
 from typing import TYPE_CHECKING, Optional
@@ -161,7 +161,7 @@ class Exl3Linear:
         """Append y = x · W (+ bias) to a recording CommandRecorder. x_buf holds (m, k) fp16, y_buf receives
         (m, n) fp16. Ends with a barrier, so later commands may read y_buf."""
         check_recorder(self.device, cmd)
-        if m <= 0:
+        if check_rows(m) == 0:
             return
         with self._call_lock:
             self._pinned.add(m)  # the caller's command buffer uses this m's scratch: never evicted
@@ -186,6 +186,7 @@ class Exl3Linear:
         whose other dispatches share the device with it. Pins m like record()."""
         if workgroups is not None and (not isinstance(workgroups, int) or workgroups < 1):
             raise ValueError(f"workgroups: expected a positive integer or None, got {workgroups!r}")
+        check_rows(m, minimum=1)
         with self._call_lock:
             self._pinned.add(m)
             return self._stages(x_buf, y_buf, m, workgroups)

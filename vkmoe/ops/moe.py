@@ -30,7 +30,7 @@ from . import kernels
 from .device_array import CallTransfers, DeviceArray, RepeatedArrays, make_room_for_bound, resolve_out
 from .host_arrays import describe, host_array, out_dtype_of
 from .plan import moe_plan
-from .record_args import check_buffers, check_recorder
+from .record_args import check_buffers, check_recorder, check_rows
 from .recorded_call import HOT_CALLS_MAX, POISON_F32, RecordedCall
 from .timeline import Timeline
 
@@ -186,8 +186,15 @@ class _Scratch:
                 size = layout.scratch_bytes(plan, H, I, clock)
             size["partial"] = size["partial_split"]
         self.sync_words = size["sync"] // 4
-        # all or nothing: a batch too large for the device allocates nothing
         names = ("route", "states", "inter", "partial", "rows", "sync")
+        # A batch whose scratch passes the device's buffer range is refused naming hidden (the caller's batch),
+        # before anything is allocated; the io buffers are smaller than "states" and "rows".
+        for name in names:
+            if size[name] > device.memory.max_range:
+                raise ValueError(f"hidden: {plan.m} rows x top_k {plan.top_k}: the routed op's {_SCRATCH_ROLES[name]} "
+                                 f"would need {size[name]} bytes, more than this device's maxStorageBufferRange "
+                                 f"({device.memory.max_range}); split the batch")
+        # all or nothing: a batch too large for the device allocates nothing
         self.buffers = device.memory.allocate_all([size[k] for k in names],
                                                   kinds=[rows_kind if k == "rows" else "device" for k in names])
         self.route, self.states, self.inter, self.partial, self.rows, self.sync = self.buffers
@@ -205,6 +212,11 @@ class _Scratch:
     def close(self):
         for b in self.buffers:
             b.close()
+
+
+# What each scratch buffer of layout.scratch_bytes holds, for the oversized-batch error.
+_SCRATCH_ROLES = {"route": "routing table", "states": "fp16 gate/up input rows", "inter": "fp16 down input rows",
+                  "partial": "fp32 k-split partials", "rows": "fp32 (token, slot) output rows", "sync": "sync words"}
 
 
 class _Recording:
@@ -647,7 +659,7 @@ class Exl3MoeMlp:
         allows it; a recorded launch cannot re-run itself, so check `aborted(m, top_k)` after the submission
         (and call `reset_after_abort(m, top_k)` and re-run split if it says so). __call__ does all of that."""
         check_recorder(self.device, cmd)
-        if m <= 0:
+        if check_rows(m) == 0:
             return None
         self._check_record(hidden_buf, ids_buf, weights_buf, out_buf, m, top_k)
         if mode not in ("split", "persistent"):
@@ -679,6 +691,7 @@ class Exl3MoeMlp:
         """record(mode="split")'s dispatches (three, or two in direct mode) as separate steps, for a caller that
         records independent work beside them (vkmoe.ops.block): functions(cmd) -> descriptor set, each recording
         one dispatch and no barrier; the caller puts a barrier after each. Arguments and pinning as record(); m >= 1."""
+        check_rows(m, minimum=1)
         self._check_record(hidden_buf, ids_buf, weights_buf, out_buf, m, top_k)
         with self._call_lock:
             self._pinned.add((m, top_k))

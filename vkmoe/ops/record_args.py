@@ -3,6 +3,8 @@
 record() appends to a caller's recording and binds the caller's Buffers in place, so nothing copies them and no
 later step would notice a wrong one: a buffer too small would be read or written past its end by the GPU.
 """
+import numpy as np
+
 from ..vk import Buffer, CommandRecorder, VkmoeError
 from ..vk.errors import foreign_device_error
 
@@ -27,3 +29,13 @@ def check_buffers(device, buffers):
             raise foreign_device_error(name, "Buffer", buf.device, device)
         if buf.size < need:
             raise ValueError(f"{name} holds {buf.size} bytes; this call needs {need}")
+
+
+def check_rows(m, minimum=0):
+    """`m`, the rows (tokens) a record() is given: an integer >= minimum (TypeError / ValueError naming m). A
+    negative m recorded nothing, silently, and a float one failed deep in the plan."""
+    if isinstance(m, bool) or not isinstance(m, (int, np.integer)):
+        raise TypeError(f"m: expected an integer number of rows, got {type(m).__name__} {m!r}")
+    if m < minimum:
+        raise ValueError(f"m: expected an integer >= {minimum}, got {m}")
+    return int(m)
