@@ -220,6 +220,64 @@ def test_wait_timeout_raises_then_recovers(dev):
         pipe.close()
 
 
+def test_a_submission_queued_behind_another_threads_first_run_waits_for_it(dev, monkeypatch):
+    """A submission queued behind another recorder's first run (on lavapipe, which compiles at the first dispatch:
+    another thread's new recording) gets its own VKMOE_TIMEOUT once that run is done, instead of timing out while
+    it has not started (CI, Mesa 25, cold shader cache: two threads' persistent calls both raised 'the GPU did not
+    finish within 60 s'). A caller's explicit timeout stays a hard bound."""
+    import threading
+    import time
+
+    groups, iterations = 1024, 20000  # as test_wait_timeout_raises_then_recovers: seconds on lavapipe
+    pipe = Pipeline(dev, SPIN, push=SpinPush)
+    buf = dev.memory.allocate(4 * (1024 + 64 * groups))
+    made = []  # every recorder, finished before buf is freed (also when an assertion fails midway)
+
+    def long_first_run():
+        """A new recording of the long kernel, submitted without waiting; its own thread waits for it."""
+        rec = CommandRecorder(dev)
+        made.append(rec)
+        rec.begin()
+        rec.dispatch(pipe, pipe.bind(buf), groups, pipe.push(iterations=iterations))
+        rec.end()
+        rec.submit(wait=False)
+        owner = threading.Thread(target=rec.wait)  # (a first run: its wait gets the compile allowance)
+        owner.start()
+        return rec, owner
+
+    try:
+        buf.upload(np.arange(1024 + 64 * groups, dtype=np.uint32))
+        with CommandRecorder(dev) as short_rec:
+            made.append(short_rec)
+            short_rec.begin()
+            short_rec.dispatch(pipe, pipe.bind(buf), 1, pipe.push(iterations=1))
+            short_rec.end()
+            short_rec.submit(wait=True)  # its first run done: the next ones are not fresh
+            monkeypatch.setenv("VKMOE_TIMEOUT", "0.05")
+            long_rec, owner = long_first_run()
+            t0 = time.monotonic()
+            short_rec.submit(wait=True)  # queued behind the long first run: waits for it, no TimeoutError
+            elapsed = time.monotonic() - t0
+            owner.join(timeout=120)
+            assert not owner.is_alive() and not long_rec.pending
+            assert elapsed > 0.5, f"the long run took {elapsed:.3f} s: lengthen it for this device"
+            long_rec.close()
+            long_rec, owner = long_first_run()
+            short_rec.submit(wait=False)
+            with pytest.raises(vkmoe.TimeoutError):  # a caller's own timeout is not extended
+                short_rec.wait(timeout=0.05)
+            short_rec.wait(timeout=120)
+            owner.join(timeout=120)
+            long_rec.close()
+        assert buf.download(np.uint32, shape=(4,), offset=4 * 1024).any()
+    finally:
+        for rec in made:
+            if rec.handle is not None and rec.pending:
+                rec.wait(timeout=120)
+        buf.close()
+        pipe.close()
+
+
 def test_loop_cap_quirk(dev):
     cap = dev.quirks["loop_iteration_cap"]
     major = _mesa_major(dev)

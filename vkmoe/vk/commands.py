@@ -64,6 +64,13 @@ def _holds_device(method):
     return held
 
 
+def _first_run_running(recorder, submission, submitted_at, now):
+    """Whether `recorder`'s submission number `submission` (a first run, submitted at `submitted_at`) is, as far as
+    its owner has seen, still running, and within its compile allowance."""
+    return (recorder._pending and recorder.submissions == submission
+            and now < submitted_at + COMPILE_TIMEOUT_S)
+
+
 class GpuTime:
     """The GPU time of one submission of a recorder (between its first and last timestamps), read from the query
     pool only when `ms` is asked for: vkGetQueryPoolResults is a driver call (10-50 us on lavapipe) that an op
@@ -137,6 +144,7 @@ class CommandRecorder:
         self.submissions = 0  # of this command buffer
         self._fresh = False  # recorded since its last submission: the next run may include the driver's compile
         self._pending_fresh = False  # the pending submission is such a first run (waits get COMPILE_TIMEOUT_S)
+        self._queued_behind = ()  # other recorders' first runs that were on the queue when this one was submitted
         self._riding_on = None  # the recorder whose submission (and fence) carried this buffer last
         self.spin_s = 0.0 if device.device_type == "cpu" else SPIN_BEFORE_SLEEP_S
         # Built once: what submit() and wait() hand to the cffi functions.
@@ -341,6 +349,17 @@ class CommandRecorder:
         self._pending = True
         self._pending_fresh, self._fresh = self._fresh, False
         self.submissions += 1
+        first_runs = self.device._first_runs
+        if first_runs:  # (usually empty: one test per call)
+            now = time.monotonic()
+            for r, (n, t) in list(first_runs.items()):
+                if not _first_run_running(r, n, t, now):
+                    del first_runs[r]
+            self._queued_behind = [(r, n, t) for r, (n, t) in first_runs.items()]
+        elif self._queued_behind:
+            self._queued_behind = ()
+        if self._pending_fresh:
+            first_runs[self] = (self.submissions, time.monotonic())
         for r in riders:
             if r is not None:
                 r._riding_on = self
@@ -370,6 +389,7 @@ class CommandRecorder:
             if status != vk.VK_NOT_READY:
                 check("vkGetFenceStatus", status)
         compiling = timeout is None and self._pending_fresh
+        default_timeout = timeout is None  # (a caller's own timeout is a hard bound: never extended below)
         timeout = knobs.get("VKMOE_TIMEOUT") if timeout is None else float(timeout)
         if compiling:
             timeout = max(timeout, COMPILE_TIMEOUT_S)
@@ -384,11 +404,25 @@ class CommandRecorder:
                 return
             check("vkWaitForFences", result, ok=(vk.VK_TIMEOUT,))
             left = deadline - time.monotonic()
+            if left <= 0 and default_timeout and self._behind_a_compile():
+                # Queued behind another recorder's first run that may still be compiling (another thread's new
+                # recording on lavapipe): this submission has not started; give it its own time once that is done.
+                deadline, left = time.monotonic() + timeout, timeout
+                continue
             if left <= 0:
                 what = ("the first run of a newly recorded command buffer (which may include the driver's shader "
                         "compile)" if compiling else "the GPU")
                 raise TimeoutError(f"{what} did not finish within {timeout:g} s; the device may be hung and "
                                    "should be recreated")
+
+    def _behind_a_compile(self):
+        """Whether a first run that was on the queue ahead of this submission is still running within its compile
+        allowance (COMPILE_TIMEOUT_S from its submission). Read from the other recorders' own bookkeeping (their
+        owners' waits clear _pending): no call on their fences, which their owners may destroy meanwhile."""
+        if not self._queued_behind:
+            return False
+        now = time.monotonic()
+        return any(_first_run_running(r, n, t, now) for r, n, t in self._queued_behind)
 
     def _spin(self, seconds):
         """Poll the fence for up to `seconds`; returns the last VkResult (VK_NOT_READY: still running)."""

@@ -279,6 +279,10 @@ class Device:
         self._handle_alive = True
         self._children = []  # objects to destroy on close, in reverse order
         self._lock = threading.RLock()  # queue submission is externally synchronised in Vulkan
+        # First runs of fresh recordings submitted to the queue and not yet seen finished: {CommandRecorder:
+        # (its submission number, monotonic submit time)}, kept by vk.commands under _lock. A submission queued
+        # behind one may wait for the driver's compile too (lavapipe compiles at the first dispatch).
+        self._first_runs = {}
         from .memory import MemoryManager  # circular import: memory needs a Device
 
         self.memory = MemoryManager(self)
