@@ -312,6 +312,49 @@ def test_bad_inputs(dev, monkeypatch):
         Pipeline(dev, "no_such_shader")
 
 
+def test_recorded_copies_and_fills_are_checked(dev):
+    """copy() / fill() ranges, buffers and sizes are checked when recorded: a copy past a buffer's end, of a freed
+    buffer or between overlapping ranges was recorded and submitted (undefined on a GPU), and allocate() took "64"
+    and 1.5. The recorder still records and runs right afterwards."""
+    other = vkmoe.Device()
+    try:
+        with dev.memory.allocate(64) as a, dev.memory.allocate(64) as b, other.memory.allocate(64) as foreign, \
+                CommandRecorder(dev) as rec:
+            closed = dev.memory.allocate(16)
+            closed.close()
+            rec.begin()
+            for call, error, match in (
+                    (lambda: rec.copy(a, b, 1000), ValueError, "src: 1000 bytes at offset 0 do not fit its 64 bytes"),
+                    (lambda: rec.copy(a, b, 16, dst_offset=56), ValueError, "dst: 16 bytes at offset 56 do not fit"),
+                    (lambda: rec.copy(a, b, -4), ValueError, "src: -4 bytes at offset 0 do not fit"),
+                    (lambda: rec.copy(a, b, 0), ValueError, "src: 0 bytes"),
+                    (lambda: rec.copy(a, b, 8, src_offset=-8), ValueError, "src: 8 bytes at offset -8"),
+                    (lambda: rec.copy(a, a, 32, 0, 16), ValueError, "the src and dst ranges overlap"),
+                    (lambda: rec.copy(closed, b, 4), vkmoe.VkmoeError, "src is a closed Buffer"),
+                    (lambda: rec.copy(a, foreign, 4), ValueError, "dst is a Buffer of another vkmoe.Device"),
+                    (lambda: rec.copy(np.zeros(4), b, 4), TypeError, "src: expected a vkmoe Buffer, got ndarray"),
+                    (lambda: rec.copy(a, b, 4.0), TypeError, "src: nbytes must be an integer, got float"),
+                    (lambda: rec.fill(a, 0, 1000), ValueError, "buf: 1000 bytes at offset 0 do not fit"),
+                    (lambda: rec.fill(a, 0, 8, offset=100), ValueError, "buf: 8 bytes at offset 100 do not fit"),
+                    (lambda: rec.fill(a, 0, 8, offset=2), ValueError, "offset must be a multiple of 4"),
+                    (lambda: rec.fill(closed, 0), vkmoe.VkmoeError, "buf is a closed Buffer"),
+                    (lambda: dev.memory.allocate("64"), TypeError, "nbytes: expected an integer number of bytes"),
+                    (lambda: dev.memory.allocate(1.5), TypeError, "nbytes: expected an integer number of bytes")):
+                with pytest.raises(error, match=match):
+                    call()
+            a.upload(np.arange(16, dtype=np.uint32))
+            b.upload(np.full(16, 0xDEADBEEF, np.uint32))  # poisoned: the copy and the fill must write it
+            rec.copy(a, b, 32, src_offset=16, dst_offset=0)
+            rec.fill(b, 7, 16, offset=32)
+            rec.end()
+            rec.submit(wait=True)
+            got = b.download(np.uint32, (16,))
+            assert got[:8].tolist() == list(range(4, 12)) and got[8:12].tolist() == [7] * 4
+            assert got[12:].tolist() == [0xDEADBEEF] * 4
+    finally:
+        other.close()
+
+
 def _run_bounded(fn, seconds=20.0):
     """fn() in a thread; fails (instead of hanging the suite) if it does not return within `seconds`."""
     import threading

@@ -14,7 +14,7 @@ import numpy as np
 import vulkan as vk
 
 from .. import knobs
-from .errors import TimeoutError, VkmoeError, call, check
+from .errors import TimeoutError, VkmoeError, call, check, foreign_device_error
 
 ffi = vk.ffi
 
@@ -235,17 +235,47 @@ class CommandRecorder:
 
     @_holds_device
     def copy(self, src, dst, nbytes, src_offset=0, dst_offset=0):
+        """Copy nbytes from src (at src_offset) to dst (at dst_offset): both open Buffers of this device, the
+        ranges inside them and not overlapping (checked: a recorded copy past a buffer's end, or of a freed one,
+        is undefined on the GPU)."""
         self._check_recording()
-        region = vk.VkBufferCopy(srcOffset=src.offset + src_offset, dstOffset=dst.offset + dst_offset, size=nbytes)
+        self._check_range("src", src, src_offset, nbytes)
+        self._check_range("dst", dst, dst_offset, nbytes)
+        a, b = src.offset + src_offset, dst.offset + dst_offset
+        if src.handle == dst.handle and a < b + nbytes and b < a + nbytes:
+            raise ValueError(f"copy: the src and dst ranges overlap ({nbytes} bytes at {a} and at {b} of one "
+                             "VkBuffer)")
+        region = vk.VkBufferCopy(srcOffset=a, dstOffset=b, size=nbytes)
         vk.vkCmdCopyBuffer(self.handle, src.handle, dst.handle, 1, [region])
 
     @_holds_device
     def fill(self, buf, value=0, nbytes=None, offset=0):
-        """Fill with a repeated 32-bit word (size rounded down to a multiple of 4)."""
+        """Fill with a repeated 32-bit word (size rounded down to a multiple of 4; offset a multiple of 4; the
+        range inside the buffer, checked)."""
         self._check_recording()
-        size = (buf.size - offset if nbytes is None else nbytes) // 4 * 4
-        if size:
-            vk.vkCmdFillBuffer(self.handle, buf.handle, buf.offset + offset, size, int(value) & 0xFFFFFFFF)
+        if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)) or offset % 4:
+            raise ValueError(f"fill: offset must be a multiple of 4 bytes, got {offset!r}")
+        size = (getattr(buf, "size", 0) - offset if nbytes is None else nbytes)
+        if isinstance(size, (int, np.integer)) and not isinstance(size, bool) and 0 <= size < 4:
+            return  # (nothing to fill after rounding down)
+        self._check_range("buf", buf, offset, size)
+        size = size // 4 * 4
+        vk.vkCmdFillBuffer(self.handle, buf.handle, buf.offset + offset, size, int(value) & 0xFFFFFFFF)
+
+    def _check_range(self, name, buf, offset, nbytes):
+        """`buf` an open Buffer of this device holding nbytes (> 0) at offset (>= 0); errors name the argument.
+        (Duck-typed: vk.memory imports this module, so no isinstance on its Buffer.)"""
+        if not all(hasattr(buf, a) for a in ("closed", "size", "offset", "handle", "device")):
+            raise TypeError(f"{name}: expected a vkmoe Buffer, got {type(buf).__name__}")
+        if buf.closed:
+            raise VkmoeError(f"{name} is a closed Buffer")
+        if buf.device is not self.device:
+            raise foreign_device_error(name, "Buffer", buf.device, self.device)
+        for what, v in (("offset", offset), ("nbytes", nbytes)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise TypeError(f"{name}: {what} must be an integer, got {type(v).__name__} {v!r}")
+        if offset < 0 or nbytes <= 0 or offset + nbytes > buf.size:
+            raise ValueError(f"{name}: {nbytes} bytes at offset {offset} do not fit its {buf.size} bytes")
 
     @_holds_device
     def timestamp(self):

@@ -255,6 +255,8 @@ class MemoryManager:
         kind = ("host" if host_visible else "device") if kind is None else kind
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
+        if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)):  # ("64" and 1.5 were taken)
+            raise TypeError(f"nbytes: expected an integer number of bytes, got {type(nbytes).__name__} {nbytes!r}")
         nbytes = int(nbytes)
         if nbytes <= 0:
             raise ValueError(f"buffer size must be positive, got {nbytes}")
