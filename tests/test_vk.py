@@ -2,6 +2,7 @@
 With VKMOE_VALIDATION=1 every test also requires zero validation messages."""
 import gc
 import os
+import re
 import subprocess
 import sys
 
@@ -353,6 +354,77 @@ def test_recorded_copies_and_fills_are_checked(dev):
             assert got[12:].tolist() == [0xDEADBEEF] * 4
     finally:
         other.close()
+
+
+def test_dispatch_checks_its_pipeline_and_descriptor_set(dev):
+    """A closed pipeline crashed the driver in vkCmdBindPipeline, and a buffer of another Device object bound into a
+    descriptor set crashed it in vkUpdateDescriptorSets; a freed set, a set whose buffer was closed after bind()
+    and groups of the wrong kind were recorded or failed obscurely. Each now raises, naming what is wrong, and the
+    recorder still records and runs right afterwards."""
+    other = vkmoe.Device()
+    try:
+        pipe = Pipeline(dev, SAXPY, push=SaxpyPush)
+        closed_pipe = Pipeline(dev, SAXPY, push=SaxpyPush)
+        closed_pipe.close()
+        foreign_pipe = Pipeline(other, SAXPY, push=SaxpyPush)
+        with dev.memory.allocate(64) as x, dev.memory.allocate(64) as y, other.memory.allocate(64) as foreign, \
+                CommandRecorder(dev) as rec:
+            with pytest.raises(ValueError, match=r"binding 1 is a Buffer of another vkmoe\.Device"):
+                pipe.bind(x, foreign)  # (was a segmentation fault)
+            freed = pipe.bind(x, y)
+            freed.free()
+            late = dev.memory.allocate(64)
+            stale = pipe.bind(late, y)
+            late.close()
+            push = pipe.push(a=2.0, n=16)
+            rec.begin()
+            for call, error, match in (
+                    (lambda: rec.dispatch(closed_pipe, pipe.bind(x, y), 1, push), vkmoe.VkmoeError, "is closed"),
+                    (lambda: rec.dispatch(foreign_pipe, foreign_pipe.bind(foreign, foreign), 1, push), ValueError,
+                     "pipeline .* is a Pipeline of another vkmoe.Device"),
+                    (lambda: rec.dispatch(pipe, foreign_pipe.bind(foreign, foreign), 1, push), ValueError,
+                     "binding 0 is a Buffer of another vkmoe.Device"),
+                    (lambda: rec.dispatch(pipe, freed, 1, push), vkmoe.VkmoeError, "the descriptor set is freed"),
+                    (lambda: rec.dispatch(pipe, stale, 1, push), vkmoe.VkmoeError, "binding 0 is a closed Buffer"),
+                    (lambda: rec.dispatch(pipe, pipe.bind(x, y), 1.5, push), TypeError, "groups must be an integer"),
+                    (lambda: rec.dispatch(pipe, pipe.bind(x, y), (1, 1, 1, 1), push), TypeError,
+                     "groups must be an integer or 1 to 3 integers"),
+                    (lambda: rec.dispatch(pipe, pipe.bind(x, y), -1, push), vkmoe.VkmoeError,
+                     r"-1 workgroups on axis 0: expected 0 \.\. ")):
+                with pytest.raises(error, match=match):
+                    call()
+            x.upload(np.arange(16, dtype=np.float32))
+            y_before = np.ones(16, np.float32)  # (saxpy reads y: y = a x + y)
+            y.upload(y_before)
+            rec.dispatch(pipe, pipe.bind(x, y), 1, push)
+            rec.end()
+            rec.submit(wait=True)
+            assert np.allclose(y.download(np.float32, (16,)), 2.0 * np.arange(16) + y_before)
+        pipe.close()
+        foreign_pipe.close()
+    finally:
+        other.close()
+
+
+def test_a_corrupt_spirv_file_raises_instead_of_hanging(tmp_path, dev):
+    """reflect() looped forever on an instruction with word count 0 (a corrupt or truncated .spv)."""
+    for name, data in (("zero_count", b"\x03\x02\x23\x07" + b"\x00" * 60),
+                       ("past_end", b"\x03\x02\x23\x07" + b"\x00" * 16 + b"\x0b\x00\x50\x00"),
+                       ("empty", b""), ("odd", b"\x03\x02\x23\x07" + b"\x00" * 17),
+                       ("text", b"#version 450\nvoid main() {}\n" + b" " * 32)):
+        path = tmp_path / f"{name}.spv"
+        path.write_bytes(data)
+        raised = []
+
+        def make(path=path):
+            try:
+                Pipeline(dev, str(path))
+            except vkmoe.VkmoeError as exc:
+                raised.append(str(exc))
+
+        _run_bounded(make, seconds=10.0)  # (the loop ran forever here)
+        assert len(raised) == 1 and re.search(rf"{name}\.spv: (malformed SPIR-V module|not a SPIR-V module)",
+                                              raised[0]), raised
 
 
 def _run_bounded(fn, seconds=20.0):

@@ -195,11 +195,17 @@ class CommandRecorder:
     def dispatch(self, pipeline, descriptor_set, groups, push=None):
         """Dispatch `pipeline` over `groups` workgroups (int or (x, y, z)) with a descriptor set and push block."""
         self._check_recording()
-        x, y, z = (groups, 1, 1) if np.isscalar(groups) else tuple(groups) + (1,) * (3 - len(groups))
+        self._check_dispatch_objects(pipeline, descriptor_set)
+        counts = (groups,) if np.isscalar(groups) else tuple(groups)
+        if not 1 <= len(counts) <= 3 or any(isinstance(n, bool) or not isinstance(n, (int, np.integer))
+                                            for n in counts):
+            raise TypeError(f"{pipeline.name}: groups must be an integer or 1 to 3 integers, got {groups!r}")
+        x, y, z = counts + (1,) * (3 - len(counts))
         limit = self.device.limits.maxComputeWorkGroupCount
         for axis, (n, cap) in enumerate(zip((x, y, z), limit)):
             if not 0 <= n <= cap:
-                raise VkmoeError(f"{pipeline.name}: {n} workgroups on axis {axis} exceeds the device limit {cap}")
+                raise VkmoeError(f"{pipeline.name}: {n} workgroups on axis {axis}: expected 0 .. {cap} (the device's "
+                                 "limit)")
         if push is not None and not isinstance(push, pipeline.push_type or type(None)):
             raise TypeError(f"{pipeline.name} expects push constants of type {pipeline.push_type.__name__}, "
                             f"got {type(push).__name__}")
@@ -217,6 +223,23 @@ class CommandRecorder:
                                       data)
         if x and y and z:
             vk.vkCmdDispatch(cb, x, y, z)
+
+    def _check_dispatch_objects(self, pipeline, descriptor_set):
+        """The pipeline and descriptor set of a dispatch: open, of this device, every bound buffer open (a closed
+        pipeline crashed the driver in vkCmdBindPipeline; a freed buffer's descriptor is undefined on the GPU)."""
+        if getattr(pipeline, "handle", None) is None or not hasattr(pipeline, "layout"):
+            what = "closed" if hasattr(pipeline, "layout") else f"not a vkmoe Pipeline ({type(pipeline).__name__})"
+            raise VkmoeError(f"pipeline: {getattr(pipeline, 'name', 'the pipeline')} is {what}")
+        if pipeline.device is not self.device:
+            raise foreign_device_error(f"pipeline {pipeline.name}", "Pipeline", pipeline.device, self.device)
+        if getattr(descriptor_set, "handle", None) is None or not hasattr(descriptor_set, "buffers"):
+            raise VkmoeError(f"{pipeline.name}: the descriptor set is freed or not one of Pipeline.bind()'s")
+        for i, b in enumerate(descriptor_set.buffers):
+            if b.closed:
+                raise VkmoeError(f"{pipeline.name}: the descriptor set's binding {i} is a closed Buffer")
+            if b.device is not self.device:
+                raise foreign_device_error(f"{pipeline.name}: the descriptor set's binding {i}", "Buffer", b.device,
+                                           self.device)
 
     @_holds_device
     def barrier(self):

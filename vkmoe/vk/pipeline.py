@@ -13,7 +13,7 @@ import numpy as np
 import vulkan as vk
 
 from . import spirv
-from .errors import VkmoeError, call, check
+from .errors import VkmoeError, call, check, foreign_device_error
 from .statistics import pipeline_statistics
 
 ffi = vk.ffi
@@ -83,7 +83,10 @@ class Pipeline:
         self.device = device
         self.name = shader
         code = load_spirv(shader)
-        self.interface = spirv.reflect(code)
+        try:
+            self.interface = spirv.reflect(code)
+        except ValueError as exc:  # a corrupt or foreign file: name it (rebuilding the shaders replaces it)
+            raise VkmoeError(f"{shader}: {exc}") from None
         self.push_type = push
         declared = self.interface.push_constant_size
         given = push.size() if push is not None else 0
@@ -221,6 +224,8 @@ class Pipeline:
         for i, b in enumerate(buffers):
             if b is None or getattr(b, "_closed", True):
                 raise VkmoeError(f"{self.name}: binding {i} is not an open vkmoe Buffer")
+            if b.device is not self.device:  # (its VkBuffer in this device's descriptor set: a driver crash)
+                raise foreign_device_error(f"{self.name}: binding {i}", "Buffer", b.device, self.device)
         return self._pool.allocate(self.set_layout, buffers)
 
     def close(self):

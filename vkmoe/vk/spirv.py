@@ -21,6 +21,17 @@ class ShaderInterface:
 
 
 def reflect(code: bytes) -> ShaderInterface:
+    """The interface of a SPIR-V module; ValueError for anything that is not a well-formed one (a corrupt file
+    must not hang the reader or surface as an IndexError)."""
+    try:
+        return _reflect(code)
+    except (IndexError, KeyError, TypeError, struct.error) as exc:
+        raise ValueError(f"malformed SPIR-V module ({type(exc).__name__}: {exc})") from None
+
+
+def _reflect(code: bytes) -> ShaderInterface:
+    if len(code) < 20 or len(code) % 4:
+        raise ValueError(f"not a SPIR-V module ({len(code)} bytes: expected a header of 5 words and whole words)")
     words = struct.unpack("<%dI" % (len(code) // 4), code)
     if words[0] != 0x07230203:
         raise ValueError("not a SPIR-V module (bad magic number)")
@@ -28,6 +39,9 @@ def reflect(code: bytes) -> ShaderInterface:
     i = 5
     while i < len(words):
         count, op = words[i] >> 16, words[i] & 0xFFFF
+        if count == 0 or i + count > len(words):  # (a word count of 0 looped here forever)
+            raise ValueError(f"malformed SPIR-V module: the instruction at word {i} has word count {count} "
+                             f"({len(words)} words in all)")
         ins = words[i + 1:i + count]
         if op == _OP_DECORATE:
             decorations.setdefault(ins[0], {})[ins[1]] = ins[2] if len(ins) > 2 else True
