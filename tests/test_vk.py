@@ -406,6 +406,39 @@ def test_dispatch_checks_its_pipeline_and_descriptor_set(dev):
         other.close()
 
 
+def test_recorder_arguments_are_checked(dev):
+    """timestamps=10**9 allocated 8 GB of host memory at once (the process was killed), -1 raised an OverflowError
+    and "4" was taken; a recorder riding on its own submission reached vkQueueSubmit (invalid: one command buffer
+    twice), a non-recorder rider an AttributeError; a NaN timeout failed deep in the wait; timestamps read before any
+    submission raised VK_NOT_READY."""
+    for bad in (10**9, -1, "4", 2.5, True):
+        with pytest.raises(ValueError, match=r"timestamps: expected an integer number of slots in 0 \.\. "):
+            CommandRecorder(dev, timestamps=bad)
+    with CommandRecorder(dev, timestamps=2) as rec, CommandRecorder(dev) as other:
+        rec.begin()
+        rec.timestamp()
+        rec.timestamp()
+        rec.end()
+        with pytest.raises(vkmoe.VkmoeError, match=r"timestamps_ms\(\): this recording has not been submitted yet"):
+            rec.timestamps_ms()
+        other.begin()
+        other.end()
+        for kwargs, error, match in (({"after": [rec]}, ValueError, "each recorder at most once, and not the "
+                                                                    "submitting one"),
+                                     ({"before": [other, other]}, ValueError, "each recorder at most once"),
+                                     ({"before": [1]}, TypeError, "takes CommandRecorders, got int"),
+                                     ({"timeout": float("nan")}, ValueError, "timeout: expected a number of seconds"),
+                                     ({"timeout": -1}, ValueError, "timeout: expected a number of seconds"),
+                                     ({"timeout": "1"}, ValueError, "timeout: expected a number of seconds")):
+            with pytest.raises(error, match=match):
+                rec.submit(**kwargs)
+        rec.submit(before=[other], timeout=60)  # the recorder still runs
+        stamps = rec.timestamps_ms()
+        assert len(stamps) == 2 and stamps[0] == 0.0 and stamps[1] >= 0.0
+        with pytest.raises(ValueError, match="timeout: expected a number of seconds"):
+            rec.wait(timeout=float("nan"))
+
+
 def test_a_corrupt_spirv_file_raises_instead_of_hanging(tmp_path, dev):
     """reflect() looped forever on an instruction with word count 0 (a corrupt or truncated .spv)."""
     for name, data in (("zero_count", b"\x03\x02\x23\x07" + b"\x00" * 60),

@@ -28,6 +28,10 @@ SPIN_BEFORE_SLEEP_S = 0.0005
 # one on a cold, busy machine), which must not be mistaken for a hung device. Later runs get VKMOE_TIMEOUT.
 COMPILE_TIMEOUT_S = 600
 
+# Timestamp slots one recorder may have: far more than any chain of layers needs (tools/bench_decode's 58 layers x 24
+# phases), bounded because the slots' host array is allocated up front.
+MAX_TIMESTAMP_SLOTS = 1 << 16
+
 _submissions = 0  # vkQueueSubmit calls made by this process (submission_count())
 _native_submissions = 0  # those made through the native call path (native_submission_count())
 
@@ -62,6 +66,13 @@ def _holds_device(method):
         with self.device.use():
             return method(self, *args, **kwargs)
     return held
+
+
+def _check_timeout(timeout):
+    """A caller's timeout: a number of seconds >= 0 (NaN failed deep in the wait, or not at all)."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer, np.floating)) \
+            or not timeout >= 0:
+        raise ValueError(f"timeout: expected a number of seconds >= 0 or None, got {timeout!r}")
 
 
 def _first_run_running(recorder, submission, submitted_at, now):
@@ -116,6 +127,10 @@ class CommandRecorder:
             use = device.use
         except AttributeError:  # (device.expect_device's message; device.py imports this module: no isinstance)
             raise TypeError(f"device: expected a vkmoe.Device, got {type(device).__name__}") from None
+        if isinstance(timestamps, bool) or not isinstance(timestamps, (int, np.integer)) \
+                or not 0 <= timestamps <= MAX_TIMESTAMP_SLOTS:  # (10**9 slots took 8 GB of host memory at once)
+            raise ValueError(f"timestamps: expected an integer number of slots in 0 .. {MAX_TIMESTAMP_SLOTS}, got "
+                             f"{timestamps!r}")
         with use():  # a concurrent Device.close() waits until the recorder exists and is tracked
             self._create(device, timestamps, untracked)
 
@@ -332,6 +347,8 @@ class CommandRecorder:
         its mapped io buffers anyway): each re-entry of use() costs about a microsecond, and this runs on every
         op call."""
         dev = self.device
+        if timeout is not None:
+            _check_timeout(timeout)
         riders, info = self._prepare_submit(timeout, before, after)
         with dev._lock:
             check("vkResetFences", vk.lib.vkResetFences(dev.handle, 1, self._fences))
@@ -381,6 +398,10 @@ class CommandRecorder:
         for r in riders:
             if r is None:
                 continue
+            if not isinstance(r, CommandRecorder):
+                raise TypeError(f"submit(before=, after=) takes CommandRecorders, got {type(r).__name__}")
+            if r is self or riders.count(r) > 1:  # (one command buffer twice in a submission: invalid)
+                raise ValueError("submit(before=, after=): each recorder at most once, and not the submitting one")
             if not r._recorded or r.device is not self.device or r.handle is None:
                 raise VkmoeError("submit(before=, after=) takes recorded CommandRecorders of the same device")
             r._wait_for_carrier()
@@ -425,6 +446,8 @@ class CommandRecorder:
 
     def wait(self, timeout=None):
         """Wait for the last submission; raise vkmoe.TimeoutError after `timeout` seconds."""
+        if timeout is not None:
+            _check_timeout(timeout)
         if not self._pending:
             return
         with self.device.use():  # close() waits for this wait (bounded by `timeout`) instead of freeing the fence
@@ -497,6 +520,8 @@ class CommandRecorder:
         n = self._next_timestamp
         if n == 0:
             return []
+        if self._fresh:  # (the query pool holds nothing yet: vkGetQueryPoolResults said VK_NOT_READY)
+            raise VkmoeError("timestamps_ms(): this recording has not been submitted yet (submit() it first)")
         with self.device.use():
             self._check_open()
             ticks = self._ticks()
