@@ -540,3 +540,44 @@ def test_block_on_cpu_backend_refuses_device_arrays(device, tmp_path):
             block(xd)
     with pytest.raises(ValueError, match=r"out needs the vulkan backend"):
         block(x, out="device")
+
+
+def test_out_that_shares_memory_with_an_input_is_refused(device, ops, blocks, layer):
+    """An out DeviceArray over the input's memory: a call that binds both (the second call with the same pair)
+    would read the input while its tails write the output (the linear's direct mode at m = 1 reads x in every GEMM
+    workgroup), a race on a GPU that lavapipe's order hides. Refused, naming the input; arrays that merely share a
+    VkBuffer (separate allocations) still work, and the ops stay usable."""
+    moe, lin, _ = ops
+    call = layer.calls[0]
+    x, ids, w = call["x"], call["selected"], call["weights"]
+    m, H = x.shape
+    with DeviceArray.from_numpy(device, x) as xd:
+        with pytest.raises(ValueError, match="out shares device memory with x: the op reads x while it writes out"):
+            lin(xd, out=xd)
+        with device.memory.allocate(m * H * 4) as shared:
+            hidden_view = DeviceArray(shared, (m, H), np.float16)  # the buffer's first half
+            hidden_view.buffer.upload(np.ascontiguousarray(x))
+            out_view = DeviceArray(shared, (m, H), np.float32)     # all of it: overlaps hidden_view
+            with pytest.raises(ValueError, match="out shares device memory with hidden"):
+                moe(hidden_view, ids, w, out=out_view)
+            block = blocks[0]
+            bx = make_x(m, block.config.hidden_size, seed=14).astype(np.float16)
+            hidden_view.buffer.upload(bx)
+            with pytest.raises(ValueError, match="out shares device memory with hidden"):
+                block(hidden_view, out=out_view)
+            rec = vkmoe.CommandRecorder(device)
+            try:
+                rec.begin()
+                with pytest.raises(ValueError, match="out shares device memory with hidden"):
+                    block.device_block.record(rec, hidden_view, out_view)
+            finally:
+                rec.close()
+        # separate arrays (they may share a VkBuffer): the same answers as numpy in and out, twice (bound)
+        want = lin(x)
+        for _ in range(2):
+            with DeviceArray.empty(device, (m, lin.n), np.float16) as yd:
+                assert np.array_equal(lin(xd, out=yd).numpy().view(np.uint16), want.view(np.uint16))
+        want_moe = moe(x, ids, w)
+        with DeviceArray.empty(device, (m, H), np.float32) as od:
+            for _ in range(2):
+                assert np.array_equal(moe(xd, ids, w, out=od).numpy(), want_moe)

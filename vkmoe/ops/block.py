@@ -28,7 +28,8 @@ from .. import knobs, layout
 from ..vk import CommandRecorder, PushConstants, expect_device, fastcall
 from ..vk.errors import closed_op_error
 from . import kernels
-from .device_array import CallTransfers, DeviceArray, close_recording, last_gpu_ms, resolve_out
+from .device_array import (CallTransfers, DeviceArray, close_recording, last_gpu_ms, refuse_shared_memory,
+                           resolve_out)
 from .plan import default_target_workgroups
 from .record_args import check_rows
 from .recorded_call import HOT_CALLS_MAX, POISON_F32, RecordedCall
@@ -288,6 +289,7 @@ class DeviceMoeBlock:
         self.check_hidden(hidden)
         m = hidden.shape[0]
         out.check("out", self.device, (m, self.H), np.float32)
+        refuse_shared_memory(out, (("hidden", hidden), ("residual", residual), ("input_ids", tokens)))
         if tokens is not None:
             self.check_tokens_array(tokens, m)
         self._check_residual(residual, m)
@@ -335,7 +337,8 @@ class DeviceMoeBlock:
         if isinstance(hidden, DeviceArray):
             self.check_hidden(hidden)
         m = hidden.shape[0]
-        target = resolve_out(out, self.device, (m, self.H), np.float32)
+        target = resolve_out(out, self.device, (m, self.H), np.float32,
+                             (('hidden', hidden), ('residual', residual), ('input_ids', tokens)))
         if isinstance(tokens, DeviceArray):
             self.check_tokens_array(tokens, m)
         self._check_residual(residual, m)

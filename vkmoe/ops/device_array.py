@@ -143,9 +143,10 @@ last_gpu_ms = property(_last_gpu_ms, doc="""The GPU time of the last call in ms 
     racing it from another thread).""")
 
 
-def resolve_out(out, device, shape, dtype):
+def resolve_out(out, device, shape, dtype, reads=()):
     """An op's `out` argument: None (return numpy), "device" (a new DeviceArray) or a DeviceArray to fill.
-    Returns None or the DeviceArray the op writes."""
+    Returns None or the DeviceArray the op writes. reads: the op's (name, input) pairs; a DeviceArray out may not
+    share memory with a DeviceArray input (ValueError)."""
     if out is None:
         return None
     if isinstance(out, str):
@@ -153,8 +154,28 @@ def resolve_out(out, device, shape, dtype):
             raise ValueError(f"out must be None, 'device' or a vkmoe DeviceArray, got {out!r}")
         return DeviceArray.empty(device, shape, dtype)
     if isinstance(out, DeviceArray):
-        return out.check("out", device, shape, dtype)
+        out.check("out", device, shape, dtype)
+        refuse_shared_memory(out, reads)
+        return out
     raise TypeError(f"out must be None, 'device' or a vkmoe DeviceArray, got {type(out).__name__}")
+
+
+def refuse_shared_memory(out, reads):
+    """ValueError when the DeviceArray `out` shares memory with a DeviceArray among the (name, input) `reads`: a
+    call that binds both (a repeated pair) would read the input while its tails write the output (the linear's
+    direct mode at m = 1 reads x in every GEMM workgroup)."""
+    for name, value in reads:
+        if isinstance(value, DeviceArray) and _share_memory(out, value):
+            raise ValueError(f"out shares device memory with {name}: the op reads {name} while it writes out; pass "
+                             "a separate DeviceArray")
+
+
+def _share_memory(a, b):
+    """Whether two DeviceArrays' bytes overlap (the same VkBuffer, overlapping ranges)."""
+    if a.buffer is None or b.buffer is None or a.buffer.handle != b.buffer.handle:
+        return False
+    a0, b0 = a.buffer.offset, b.buffer.offset
+    return a0 < b0 + b.nbytes and b0 < a0 + a.nbytes
 
 
 # DeviceArrays a call passes again are bound in a recording of their own instead of copied to and from the io

@@ -234,7 +234,7 @@ class Exl3Linear:
         dtype = out_dtype_of(out_dtype)
         x = _check_x(x, self.k, self.device)
         m = x.shape[0]
-        target = None if out is None else resolve_out(out, self.device, (m, self.n), _F16)
+        target = None if out is None else resolve_out(out, self.device, (m, self.n), _F16, (('x', x),))
         if m == 0:
             return np.zeros((0, self.n), dtype) if target is None else target
         with self._call_lock:

@@ -817,7 +817,7 @@ class Exl3MoeMlp:
             if hot_key is not None:
                 self._keep_hot(hot_key, dispatch, hidden, expert_ids, expert_weights)
             return result if dtype is _F32 else result.astype(dtype, copy=False)
-        target = resolve_out(out, self.device, (m, self.H), _F32)
+        target = resolve_out(out, self.device, (m, self.H), _F32, (('hidden', hidden),))
         try:
             self._forward(hidden, expert_ids, expert_weights, dispatch, check=True, target=target,
                           bind_target=target is out)
