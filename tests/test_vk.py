@@ -406,6 +406,35 @@ def test_dispatch_checks_its_pipeline_and_descriptor_set(dev):
         other.close()
 
 
+def test_close_of_a_recorder_whose_run_outlasts_the_wait_frees_nothing_in_use(dev, monkeypatch):
+    """close() waits for the last submission; when that wait gives up (VKMOE_TIMEOUT) the command buffer is still in
+    use, and freeing it was undefined (the validation layer: 'Attempt to free VkCommandBuffer ... which is in use').
+    Now the recorder is closed for use at once and its objects are freed by a later close()."""
+    groups, iterations = 1024, 20000  # seconds on lavapipe, as test_wait_timeout_raises_then_recovers
+    pipe = Pipeline(dev, SPIN, push=SpinPush)
+    buf = dev.memory.allocate(4 * (1024 + 64 * groups))
+    rec = CommandRecorder(dev)
+    try:
+        buf.upload(np.arange(1024 + 64 * groups, dtype=np.uint32))
+        rec.begin()
+        rec.dispatch(pipe, pipe.bind(buf), groups, pipe.push(iterations=iterations))
+        rec.end()
+        rec.submit(wait=True, timeout=600)  # the first run (lavapipe's compile) outside the short timeout below
+        rec.submit(wait=False)
+        monkeypatch.setenv("VKMOE_TIMEOUT", "0.05")
+        rec.close()
+        assert rec.handle is not None and rec.pending  # still running: nothing freed
+        with pytest.raises(vkmoe.VkmoeError, match=r"CommandRecorder used after close\(\)"):
+            rec.submit()
+        monkeypatch.setenv("VKMOE_TIMEOUT", "120")
+        rec.close()  # the run is over (or this close waits for it): now freed
+        assert rec.handle is None
+    finally:
+        rec.close()
+        buf.close()
+        pipe.close()
+
+
 def test_recorder_arguments_are_checked(dev):
     """timestamps=10**9 allocated 8 GB of host memory at once (the process was killed), -1 raised an OverflowError
     and "4" was taken; a recorder riding on its own submission reached vkQueueSubmit (invalid: one command buffer

@@ -160,6 +160,7 @@ class CommandRecorder:
         self._fresh = False  # recorded since its last submission: the next run may include the driver's compile
         self._pending_fresh = False  # the pending submission is such a first run (waits get COMPILE_TIMEOUT_S)
         self._queued_behind = ()  # other recorders' first runs that were on the queue when this one was submitted
+        self._close_deferred = False  # close() found its submission still running: the objects go later (close())
         self._riding_on = None  # the recorder whose submission (and fence) carried this buffer last
         self.spin_s = 0.0 if device.device_type == "cpu" else SPIN_BEFORE_SLEEP_S
         # Built once: what submit() and wait() hand to the cffi functions.
@@ -198,7 +199,7 @@ class CommandRecorder:
 
     def _check_open(self):
         self.device.check_open()
-        if self.handle is None:
+        if self.handle is None or self._close_deferred:
             raise VkmoeError("CommandRecorder used after close()")
 
     def _check_recording(self):
@@ -390,7 +391,7 @@ class CommandRecorder:
     def _prepare_submit(self, timeout, before, after):
         """What every submission checks and settles first: this buffer and the riders recorded, the last
         submission finished and its GPU time read if someone holds it. Returns (riders, the VkSubmitInfo)."""
-        if self.handle is None or self.device._closed:  # (on every call: the usual case costs no call)
+        if self.handle is None or self.device._closed or self._close_deferred:  # (the usual case: no call)
             self._check_open()
         if not self._recorded:
             raise VkmoeError("submit() needs a recorded command buffer (begin() ... end())")
@@ -590,6 +591,10 @@ class CommandRecorder:
         return ((ticks[-1] - ticks[0]) & self._stamp_mask) * self._stamp_period_ms
 
     def close(self):
+        """Free the command buffer, its pool, fence and query pool, after its last submission finished. If that
+        submission is still running when the wait gives up (VKMOE_TIMEOUT: a hung or very busy device), freeing
+        them would be undefined: the recorder is closed for use and they are freed by a later close() or by the
+        device's close (after vkDeviceWaitIdle)."""
         if self.handle is None:
             return
         if self._pending:
@@ -597,6 +602,10 @@ class CommandRecorder:
                 self.wait()
             except Exception:
                 pass
+            if self._pending and vk.lib.vkGetFenceStatus(self.device.handle, self._fence) != vk.VK_SUCCESS:
+                self._close_deferred = True
+                return
+            self._pending = False
         self._settle_gpu_time()
         h = self.device.handle
         if self._query_pool is not None:
