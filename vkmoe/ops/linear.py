@@ -309,13 +309,10 @@ class Exl3Linear:
     def _check_batch_fits(self, m, io_bytes):
         """ValueError naming x when a buffer of an m-row call (its io buffers of `io_bytes`, its partials) would
         pass the device's maxStorageBufferRange."""
-        limit = self.device.limits.maxStorageBufferRange
         plan = gemm_plan(self.device, m, self.k, self.n)
         for what, nbytes in (("its fp16 copy", io_bytes[0]), ("the output", io_bytes[1]),
                              ("the GEMM's k-split partials", _partial_bytes(plan, m, self.n))):
-            if nbytes > limit:
-                raise ValueError(f"x: {m} rows: {what} would need {nbytes} bytes, more than this device's "
-                                 f"maxStorageBufferRange ({limit}); split the batch")
+            self.device.memory.check_fits(f"x: {m} rows: {what}", nbytes)
 
     def _record_call(self, m, xb, yb, bound=None):
         """(RecordedCall, descriptor sets) of the forward of m rows on the io buffers xb, yb; bound: (x Buffer or

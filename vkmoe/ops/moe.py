@@ -187,16 +187,12 @@ class _Scratch:
             size["partial"] = size["partial_split"]
         self.sync_words = size["sync"] // 4
         names = ("route", "states", "inter", "partial", "rows", "sync")
-        # A batch whose scratch passes the device's buffer range is refused naming hidden (the caller's batch),
-        # before anything is allocated; the io buffers are smaller than "states" and "rows".
-        for name in names:
-            if size[name] > device.memory.max_range:
-                raise ValueError(f"hidden: {plan.m} rows x top_k {plan.top_k}: the routed op's {_SCRATCH_ROLES[name]} "
-                                 f"would need {size[name]} bytes, more than this device's maxStorageBufferRange "
-                                 f"({device.memory.max_range}); split the batch")
-        # all or nothing: a batch too large for the device allocates nothing
+        # all or nothing: a batch too large for the device allocates nothing, and the error names hidden (the
+        # caller's batch); the io buffers are smaller than "states" and "rows"
+        batch = f"hidden: {plan.m} rows x top_k {plan.top_k}: the routed op's"
         self.buffers = device.memory.allocate_all([size[k] for k in names],
-                                                  kinds=[rows_kind if k == "rows" else "device" for k in names])
+                                                  kinds=[rows_kind if k == "rows" else "device" for k in names],
+                                                  names=[f"{batch} {_SCRATCH_ROLES[k]}" for k in names])
         self.route, self.states, self.inter, self.partial, self.rows, self.sync = self.buffers
         self.last_status = 0  # the abort word the last submitted persistent launch left (read with its output)
         self.last_grid = 0    # the grid of the last persistent launch recorded on this scratch (persistent_timeline)

@@ -294,13 +294,22 @@ class MemoryManager:
         offset = block.allocate(size, self.alignment)
         return Buffer(self, block, offset, nbytes, kind)
 
-    def allocate_all(self, sizes, kinds=None):
+    def check_fits(self, what, nbytes):
+        """ValueError "{what} would need N bytes, more than this device's maxStorageBufferRange ..." when one
+        buffer of nbytes would not fit (what: the caller's words for it, naming the argument behind it)."""
+        if nbytes > self.max_range:
+            raise ValueError(f"{what} would need {nbytes} bytes, more than this device's maxStorageBufferRange "
+                             f"({self.max_range}); split the batch")
+
+    def allocate_all(self, sizes, kinds=None, names=None):
         """Buffers of the given byte sizes (and KINDS, default device memory), all or none: every size is checked
         before anything is allocated, and a failure part-way closes what was already allocated (a rejected call
-        must not leak)."""
+        must not leak). names: what each buffer is, for check_fits' message when one is too large."""
         sizes = [int(n) for n in sizes]
         kinds = list(kinds) if kinds is not None else ["device"] * len(sizes)
-        for n in sizes:
+        for i, n in enumerate(sizes):
+            if names is not None:
+                self.check_fits(names[i], n)
             if not 0 < n <= self.max_range:
                 raise ValueError(f"buffer of {n} bytes: expected 1 .. {self.max_range} bytes (this device's "
                                  "maxStorageBufferRange); split the data or the batch")
