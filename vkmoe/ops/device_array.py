@@ -52,8 +52,7 @@ class DeviceArray:
 
     @classmethod
     def from_numpy(cls, device, array):
-        """A DeviceArray holding a copy of `array`."""
-        expect_device(device)
+        """A DeviceArray holding a copy of `array` (empty() checks the device)."""
         if not isinstance(array, np.ndarray):
             raise TypeError(f"array must be a numpy array, got {type(array).__name__}")
         arr = cls.empty(device, array.shape, array.dtype)

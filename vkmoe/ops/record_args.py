@@ -5,7 +5,8 @@ later step would notice a wrong one: a buffer too small would be read or written
 """
 import numpy as np
 
-from ..vk import Buffer, CommandRecorder, VkmoeError
+from ..vk import CommandRecorder
+from ..vk.commands import check_buffer
 from ..vk.errors import foreign_device_error
 
 
@@ -21,12 +22,7 @@ def check_buffers(device, buffers):
     """`buffers` {argument name: (Buffer, bytes it must hold)}: each an open vkmoe Buffer of `device` of at least
     that size (TypeError / ValueError / VkmoeError for a closed one, naming the argument)."""
     for name, (buf, need) in buffers.items():
-        if not isinstance(buf, Buffer):
-            raise TypeError(f"{name}: expected a vkmoe Buffer, got {type(buf).__name__}")
-        if buf.closed:
-            raise VkmoeError(f"{name} is a closed Buffer")
-        if buf.device is not device:
-            raise foreign_device_error(name, "Buffer", buf.device, device)
+        check_buffer(name, buf, device)
         if buf.size < need:
             raise ValueError(f"{name} holds {buf.size} bytes; this call needs {need}")
 

@@ -75,6 +75,18 @@ def _check_timeout(timeout):
         raise ValueError(f"timeout: expected a number of seconds >= 0 or None, got {timeout!r}")
 
 
+def check_buffer(name, buf, device):
+    """`buf` (the argument `name`) an open vkmoe Buffer of `device`: TypeError / VkmoeError / ValueError naming it.
+    Duck-typed: vk.memory imports this module, so no isinstance on its Buffer. (vkmoe.ops.record_args checks the
+    ops' raw-buffer arguments with it too.)"""
+    if not all(hasattr(buf, a) for a in ("closed", "size", "offset", "handle", "device")):
+        raise TypeError(f"{name}: expected a vkmoe Buffer, got {type(buf).__name__}")
+    if buf.closed:
+        raise VkmoeError(f"{name} is a closed Buffer")
+    if buf.device is not device:
+        raise foreign_device_error(name, "Buffer", buf.device, device)
+
+
 def _first_run_running(recorder, submission, submitted_at, now):
     """Whether `recorder`'s submission number `submission` (a first run, submitted at `submitted_at`) is, as far as
     its owner has seen, still running, and within its compile allowance."""
@@ -292,24 +304,18 @@ class CommandRecorder:
         """Fill with a repeated 32-bit word (size rounded down to a multiple of 4; offset a multiple of 4; the
         range inside the buffer, checked)."""
         self._check_recording()
+        check_buffer("buf", buf, self.device)
         if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)) or offset % 4:
             raise ValueError(f"fill: offset must be a multiple of 4 bytes, got {offset!r}")
-        size = (getattr(buf, "size", 0) - offset if nbytes is None else nbytes)
+        size = buf.size - offset if nbytes is None else nbytes
         if isinstance(size, (int, np.integer)) and not isinstance(size, bool) and 0 <= size < 4:
             return  # (nothing to fill after rounding down)
         self._check_range("buf", buf, offset, size)
-        size = size // 4 * 4
-        vk.vkCmdFillBuffer(self.handle, buf.handle, buf.offset + offset, size, int(value) & 0xFFFFFFFF)
+        vk.vkCmdFillBuffer(self.handle, buf.handle, buf.offset + offset, size // 4 * 4, int(value) & 0xFFFFFFFF)
 
     def _check_range(self, name, buf, offset, nbytes):
-        """`buf` an open Buffer of this device holding nbytes (> 0) at offset (>= 0); errors name the argument.
-        (Duck-typed: vk.memory imports this module, so no isinstance on its Buffer.)"""
-        if not all(hasattr(buf, a) for a in ("closed", "size", "offset", "handle", "device")):
-            raise TypeError(f"{name}: expected a vkmoe Buffer, got {type(buf).__name__}")
-        if buf.closed:
-            raise VkmoeError(f"{name} is a closed Buffer")
-        if buf.device is not self.device:
-            raise foreign_device_error(name, "Buffer", buf.device, self.device)
+        """`buf` an open Buffer of this device holding nbytes (> 0) at offset (>= 0); errors name the argument."""
+        check_buffer(name, buf, self.device)
         for what, v in (("offset", offset), ("nbytes", nbytes)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
                 raise TypeError(f"{name}: {what} must be an integer, got {type(v).__name__} {v!r}")
