@@ -4,6 +4,7 @@ one command buffer equal to the blocks run one by one, device arrays between blo
 import numpy as np
 import pytest
 
+from spin import SpinRun, fence_signalled
 from vkmoe.models import SparseMoeBlock, write_checkpoint
 from vkmoe.ops.device_array import DeviceArray
 from vkmoe.vk import CommandRecorder, VkmoeError
@@ -259,6 +260,37 @@ def test_shared_up_gate_plan_for_their_share_of_the_device(device, tmp_path, mon
             linear.stages(linear._suh, linear._suh, 1, workgroups=0)
     finally:
         block.close()
+
+
+def test_a_block_closed_while_its_recording_runs_waits_for_the_run(device, tmp_path):
+    """A runtime records a layer into its own command buffer, submits without waiting, then closes the layer and
+    drops the output array: their buffers were freed under the queued run (the memory handed to the next
+    allocation; a buffer of a block of its own freed: a driver crash). Now the closes wait for the run, which
+    still gives the block's output, and the recording refuses to run again. The block's commands queue behind a
+    spin dispatch of seconds, so they are still to run when the closes come."""
+    path = write_checkpoint(str(tmp_path / "ckpt"), arch="qwen3_next", hidden=H, intermediate=128, experts=8,
+                            top_k=2, shared_intermediate=256, seed=31)
+    block = SparseMoeBlock.from_checkpoint(path, 0, backend="vulkan", device=device)
+    x = _hidden(3, seed=4)
+    want = block(x)
+    xd, out = DeviceArray.from_numpy(device, x), _poisoned(device, 3)
+    with SpinRun(device) as spin, CommandRecorder(device) as rec:
+        rec.begin()
+        block.record(rec, xd, out)
+        rec.end()
+        rec.submit(wait=True)  # (its first run: lavapipe compiles)
+        out.buffer.upload(np.full((3, H), np.nan, np.float32))
+        rec.submit(wait=False, before=[spin.rec])
+        block.close()
+        assert fence_signalled(rec)
+        out_buffer = out.buffer
+        got = out.numpy()
+        xd.close()
+        out.close()
+        assert out_buffer.closed
+        assert np.array_equal(got, want)
+        with pytest.raises(VkmoeError, match="closed after it was recorded"):
+            rec.submit()
 
 
 def test_chain_of_blocks_in_one_submission(blocks, device):

@@ -10,21 +10,17 @@ import numpy as np
 import pytest
 
 import vkmoe
+from spin import SpinRun, fence_signalled
 from vkmoe.vk import CommandRecorder, Pipeline, PushConstants
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Test-only shaders (tests/shaders/*.comp), compiled by `setup.py build_shaders` into tests/_spv, not the package.
 SAXPY = os.path.join(ROOT, "tests", "_spv", "test_saxpy.spv")
-SPIN = os.path.join(ROOT, "tests", "_spv", "test_spin.spv")
 WG_BARRIER = os.path.join(ROOT, "tests", "_spv", "test_wg_barrier.spv")
 
 
 class SaxpyPush(PushConstants):
     fields = [("a", "<f4"), ("n", "<u4")]
-
-
-class SpinPush(PushConstants):
-    fields = [("iterations", "<u4")]
 
 
 class WgBarrierPush(PushConstants):
@@ -199,26 +195,14 @@ def test_wg_barrier_orders_buffer_stores(dev, rows_valid):
 
 def test_wait_timeout_raises_then_recovers(dev):
     # A bounded kernel (per-invocation loop below lavapipe 22.3's cap) that runs far longer than 1 ms.
-    groups, iterations = 1024, 20000
-    pipe = Pipeline(dev, SPIN, push=SpinPush)
-    buf = dev.memory.allocate(4 * (1024 + 64 * groups))
-    try:
-        buf.upload(np.arange(1024 + 64 * groups, dtype=np.uint32))
-        with CommandRecorder(dev) as rec:
-            rec.begin()
-            rec.dispatch(pipe, pipe.bind(buf), groups, pipe.push(iterations=iterations))
-            rec.end()
-            rec.submit(wait=False)
-            with pytest.raises(vkmoe.TimeoutError):
-                rec.wait(timeout=0.001)
-            assert rec.pending
-            rec.wait(timeout=120)  # the device is fine afterwards
-            assert not rec.pending
-        out = buf.download(np.uint32, shape=(4,), offset=4 * 1024)
-        assert out.any()
-    finally:
-        buf.close()
-        pipe.close()
+    with SpinRun(dev, groups=1024) as spin:
+        spin.rec.submit(wait=False)
+        with pytest.raises(vkmoe.TimeoutError):
+            spin.rec.wait(timeout=0.001)
+        assert spin.rec.pending
+        spin.rec.wait(timeout=120)  # the device is fine afterwards
+        assert not spin.rec.pending
+        assert spin.buf.download(np.uint32, shape=(4,), offset=4 * 1024).any()
 
 
 def test_a_submission_queued_behind_another_threads_first_run_waits_for_it(dev, monkeypatch):
@@ -230,8 +214,8 @@ def test_a_submission_queued_behind_another_threads_first_run_waits_for_it(dev, 
     import time
 
     groups, iterations = 1024, 20000  # as test_wait_timeout_raises_then_recovers: seconds on lavapipe
-    pipe = Pipeline(dev, SPIN, push=SpinPush)
-    buf = dev.memory.allocate(4 * (1024 + 64 * groups))
+    spin = SpinRun(dev, groups, iterations)  # (its pipeline and buffer; the recordings below are new ones)
+    pipe, buf = spin.pipe, spin.buf
     made = []  # every recorder, finished before buf is freed (also when an assertion fails midway)
 
     def long_first_run():
@@ -247,7 +231,6 @@ def test_a_submission_queued_behind_another_threads_first_run_waits_for_it(dev, 
         return rec, owner
 
     try:
-        buf.upload(np.arange(1024 + 64 * groups, dtype=np.uint32))
         with CommandRecorder(dev) as short_rec:
             made.append(short_rec)
             short_rec.begin()
@@ -275,8 +258,7 @@ def test_a_submission_queued_behind_another_threads_first_run_waits_for_it(dev, 
         for rec in made:
             if rec.handle is not None and rec.pending:
                 rec.wait(timeout=120)
-        buf.close()
-        pipe.close()
+        spin.close()
 
 
 def test_loop_cap_quirk(dev):
@@ -410,16 +392,8 @@ def test_close_of_a_recorder_whose_run_outlasts_the_wait_frees_nothing_in_use(de
     """close() waits for the last submission; when that wait gives up (VKMOE_TIMEOUT) the command buffer is still in
     use, and freeing it was undefined (the validation layer: 'Attempt to free VkCommandBuffer ... which is in use').
     Now the recorder is closed for use at once and its objects are freed by a later close()."""
-    groups, iterations = 1024, 20000  # seconds on lavapipe, as test_wait_timeout_raises_then_recovers
-    pipe = Pipeline(dev, SPIN, push=SpinPush)
-    buf = dev.memory.allocate(4 * (1024 + 64 * groups))
-    rec = CommandRecorder(dev)
-    try:
-        buf.upload(np.arange(1024 + 64 * groups, dtype=np.uint32))
-        rec.begin()
-        rec.dispatch(pipe, pipe.bind(buf), groups, pipe.push(iterations=iterations))
-        rec.end()
-        rec.submit(wait=True, timeout=600)  # the first run (lavapipe's compile) outside the short timeout below
+    with SpinRun(dev, groups=1024) as spin:  # seconds on lavapipe, as test_wait_timeout_raises_then_recovers
+        rec = spin.rec
         rec.submit(wait=False)
         monkeypatch.setenv("VKMOE_TIMEOUT", "0.05")
         rec.close()
@@ -429,9 +403,110 @@ def test_close_of_a_recorder_whose_run_outlasts_the_wait_frees_nothing_in_use(de
         monkeypatch.setenv("VKMOE_TIMEOUT", "120")
         rec.close()  # the run is over (or this close waits for it): now freed
         assert rec.handle is None
-    finally:
-        rec.close()
+
+
+def test_a_buffer_closed_under_a_running_submission_outlives_the_run(dev):
+    """Closing a Buffer that a submitted command buffer still used gave its memory back at once: a buffer of its
+    own block crashed the process (segfault in the driver; the validation layer: VUID-vkDestroyBuffer-buffer-00922),
+    and one in a shared block was handed to the next allocation while the run still wrote into it. Now close()
+    waits for the run (vk.in_flight), the next buffer in that memory keeps what the host wrote, and the recording
+    refuses to run again, naming why."""
+    with SpinRun(dev) as spin:  # long enough that the run is still going when close() comes
+        keep = dev.memory.allocate(64)  # (in the same block, which stays: the next buffer gets the closed range)
+        words, buf, rec = spin.buf.size // 4, spin.buf, spin.rec
+        block, offset = buf.block, buf.offset
+        rec.submit(wait=False)
+        assert not fence_signalled(rec)  # (else this test would show nothing)
         buf.close()
+        assert fence_signalled(rec)  # close() came back only after the run
+        with pytest.raises(vkmoe.VkmoeError, match="a Buffer that was closed after it was recorded"):
+            rec.submit()
+        with dev.memory.allocate(4 * words) as reused:
+            assert (reused.block, reused.offset) == (block, offset)
+            sentinel = np.full(words, 0xA5A5A5A5, np.uint32)
+            reused.upload(sentinel)
+            rec.wait(timeout=120)
+            assert np.array_equal(reused.download(np.uint32, (words,)), sentinel)
+        rec.begin()  # recorded again without the buffer: runs
+        rec.end()
+        rec.submit(wait=True)
+        keep.close()
+
+
+def test_a_pipeline_and_a_descriptor_set_closed_under_a_run_outlive_it(dev):
+    """vkDestroyPipeline and vkFreeDescriptorSets under a running submission were undefined too; both wait for it."""
+    with SpinRun(dev) as spin:
+        for close in ("set", "pipeline"):
+            with CommandRecorder(dev) as rec:
+                dset = spin.pipe.bind(spin.buf)
+                rec.begin()
+                rec.dispatch(spin.pipe, dset, 256, spin.pipe.push(iterations=20000))
+                rec.end()
+                rec.submit(wait=True, timeout=600)
+                rec.submit(wait=False)
+                assert not fence_signalled(rec)
+                (dset.free if close == "set" else spin.pipe.close)()
+                assert fence_signalled(rec)
+                what = "a descriptor set" if close == "set" else "a Pipeline"
+                with pytest.raises(vkmoe.VkmoeError, match=f"{what} that was closed after it was recorded"):
+                    rec.submit()
+        assert spin.pipe.closed and spin.pipe.handle is None
+        with pytest.raises(vkmoe.VkmoeError, match="the pipeline is closed"):
+            spin.pipe.bind(spin.buf)  # (was a TypeError from the driver binding: "an integer is required")
+
+
+def test_a_close_whose_run_outlasts_the_wait_frees_the_memory_later(dev, monkeypatch):
+    """When the wait for the run gives up (VKMOE_TIMEOUT: a hung or very busy device), the buffer is closed for use
+    but its memory is kept until the run is over: the next buffer does not get it, a later close() gives it back."""
+    with SpinRun(dev, groups=1024) as spin:  # seconds on lavapipe
+        keep = dev.memory.allocate(64)
+        buf, rec = spin.buf, spin.rec
+        block, offset, nbytes = buf.block, buf.offset, buf.size
+        rec.submit(wait=False)
+        monkeypatch.setenv("VKMOE_TIMEOUT", "0.05")
+        buf.close()
+        assert buf.closed and not fence_signalled(rec)
+        with pytest.raises(vkmoe.VkmoeError, match="buffer used after close"):
+            buf.upload(np.zeros(4, np.uint32))
+        with dev.memory.allocate(nbytes) as other:
+            assert (other.block, other.offset) != (block, offset)  # the range is still the run's
+        monkeypatch.setenv("VKMOE_TIMEOUT", "120")
+        rec.wait()
+        dev.memory.allocate(16).close()  # any later close gives back what waited for a finished run
+        with dev.memory.allocate(nbytes) as again:
+            assert (again.block, again.offset) == (block, offset)
+        keep.close()
+
+
+def test_a_recording_that_uses_a_closed_buffer_is_not_submitted(dev):
+    """A recording made with a buffer closed later (no run in flight) ran with the freed buffer: submit() and a
+    submission carrying it as a rider raise instead; begin() ... end() makes it usable again."""
+    pipe = Pipeline(dev, SAXPY, push=SaxpyPush)
+    x, y = dev.memory.allocate(64), dev.memory.allocate(64)
+    try:
+        with CommandRecorder(dev) as rec, CommandRecorder(dev) as rider:
+            rec.begin()
+            rec.dispatch(pipe, pipe.bind(x, y), 1, pipe.push(a=1.0, n=16))
+            rec.end()
+            tmp = dev.memory.allocate(64)
+            rider.begin()
+            rider.copy(tmp, y, 64)
+            rider.end()
+            tmp.close()
+            with pytest.raises(vkmoe.VkmoeError, match="a recording there cannot run again: it uses a Buffer"):
+                rec.submit(before=[rider])
+            rec.submit(wait=True)  # (its own recording is fine)
+            x.close()
+            with pytest.raises(vkmoe.VkmoeError, match=r"submit\(\): this recording cannot run again: it uses a "
+                                                        r"Buffer that was closed after it was recorded"):
+                rec.submit()
+            rec.begin()
+            rec.fill(y, 0)
+            rec.end()
+            rec.submit(wait=True)
+    finally:
+        x.close()
+        y.close()
         pipe.close()
 
 

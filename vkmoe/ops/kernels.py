@@ -131,7 +131,7 @@ def pipeline(device, shader, push, spec=None, decode=False, binding_count=None, 
     with _lock:
         cache = _pipelines.setdefault(device, {})
         pipe = cache.get(key)
-        if pipe is None or pipe.handle is None:
+        if pipe is None or pipe.closed:
             # The subgroup transform needs its subgroups full and of the size it was specialized for.
             required = had if had and device.min_subgroup_size != device.max_subgroup_size else None
             pipe = cache[key] = Pipeline(device, name, push=push, spec=spec, binding_count=binding_count,

@@ -187,7 +187,12 @@ class CommandRecorder:
         self._gpu_time = None  # a weak reference to the GpuTime of the last submission (see gpu_time())
         self._next_timestamp = 0
         self._keep = []  # descriptor sets and push data referenced by the recorded commands
+        # The Buffers, Pipelines and descriptor sets the recorded commands use (vk.in_flight: closing one waits for
+        # a run of this buffer, and marks the recording stale: _stale says why it may not be submitted again).
+        self._uses = set()
+        self._stale = None
         self._untracked = untracked
+        device.in_flight.add(self)
         if not untracked:
             device.track(self)
 
@@ -204,6 +209,7 @@ class CommandRecorder:
             sType=vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO))
         self._recording, self._recorded = True, False
         self._keep = []
+        self._uses, self._stale = set(), None
         self._next_timestamp = 0
         if self._query_pool is not None:
             vk.vkCmdResetQueryPool(self.handle, self._query_pool, 0, self.timestamp_slots)
@@ -239,6 +245,7 @@ class CommandRecorder:
                             f"got {type(push).__name__}")
         if pipeline.push_type is not None and push is None:
             raise TypeError(f"{pipeline.name} needs push constants ({pipeline.push_type.__name__})")
+        self._note_uses(pipeline, descriptor_set, *descriptor_set.buffers)
         cb = self.handle
         vk.vkCmdBindPipeline(cb, vk.VK_PIPELINE_BIND_POINT_COMPUTE, pipeline.handle)
         vk.vkCmdBindDescriptorSets(cb, vk.VK_PIPELINE_BIND_POINT_COMPUTE, pipeline.layout, 0, 1,
@@ -255,7 +262,7 @@ class CommandRecorder:
     def _check_dispatch_objects(self, pipeline, descriptor_set):
         """The pipeline and descriptor set of a dispatch: open, of this device, every bound buffer open (a closed
         pipeline crashed the driver in vkCmdBindPipeline; a freed buffer's descriptor is undefined on the GPU)."""
-        if getattr(pipeline, "handle", None) is None or not hasattr(pipeline, "layout"):
+        if not hasattr(pipeline, "layout") or getattr(pipeline, "closed", True) or pipeline.handle is None:
             what = "closed" if hasattr(pipeline, "layout") else f"not a vkmoe Pipeline ({type(pipeline).__name__})"
             raise VkmoeError(f"pipeline: {getattr(pipeline, 'name', 'the pipeline')} is {what}")
         if pipeline.device is not self.device:
@@ -268,6 +275,19 @@ class CommandRecorder:
             if b.device is not self.device:
                 raise foreign_device_error(f"{pipeline.name}: the descriptor set's binding {i}", "Buffer", b.device,
                                            self.device)
+
+    def _note_uses(self, *objs):
+        """Note open objects (checked by the caller) that the command being recorded uses, before it is recorded:
+        from then on closing one waits for this buffer's runs (vk.in_flight). One that another thread closed
+        since the caller's check is refused here, and the command is not recorded."""
+        uses = self._uses
+        new = [o for o in objs if o not in uses]
+        uses.update(new)
+        closed = next((o for o in objs if o.closed), None)
+        if closed is not None:
+            uses.difference_update(new)
+            raise VkmoeError(f"{type(closed).__name__} {getattr(closed, 'name', '')}".rstrip()
+                             + " was closed while a command using it was being recorded")
 
     @_holds_device
     def barrier(self):
@@ -296,6 +316,7 @@ class CommandRecorder:
         if src.handle == dst.handle and a < b + nbytes and b < a + nbytes:
             raise ValueError(f"copy: the src and dst ranges overlap ({nbytes} bytes at {a} and at {b} of one "
                              "VkBuffer)")
+        self._note_uses(src, dst)
         region = vk.VkBufferCopy(srcOffset=a, dstOffset=b, size=nbytes)
         vk.vkCmdCopyBuffer(self.handle, src.handle, dst.handle, 1, [region])
 
@@ -311,6 +332,7 @@ class CommandRecorder:
         if isinstance(size, (int, np.integer)) and not isinstance(size, bool) and 0 <= size < 4:
             return  # (nothing to fill after rounding down)
         self._check_range("buf", buf, offset, size)
+        self._note_uses(buf)
         vk.vkCmdFillBuffer(self.handle, buf.handle, buf.offset + offset, size // 4 * 4, int(value) & 0xFFFFFFFF)
 
     def _check_range(self, name, buf, offset, nbytes):
@@ -397,8 +419,10 @@ class CommandRecorder:
     def _prepare_submit(self, timeout, before, after):
         """What every submission checks and settles first: this buffer and the riders recorded, the last
         submission finished and its GPU time read if someone holds it. Returns (riders, the VkSubmitInfo)."""
-        if self.handle is None or self.device._closed or self._close_deferred:  # (the usual case: no call)
+        if self.handle is None or self.device._closed or self._close_deferred or self._stale:  # (usually no call)
             self._check_open()
+            raise VkmoeError(f"submit(): this recording cannot run again: {self._stale}; record it again (begin() "
+                             "... end())")
         if not self._recorded:
             raise VkmoeError("submit() needs a recorded command buffer (begin() ... end())")
         riders = (*before, None, *after) if before or after else ()  # None: this buffer's place
@@ -411,6 +435,9 @@ class CommandRecorder:
                 raise ValueError("submit(before=, after=): each recorder at most once, and not the submitting one")
             if not r._recorded or r.device is not self.device or r.handle is None:
                 raise VkmoeError("submit(before=, after=) takes recorded CommandRecorders of the same device")
+            if r._stale:
+                raise VkmoeError(f"submit(before=, after=): a recording there cannot run again: {r._stale}; record "
+                                 "it again (begin() ... end())")
             r._wait_for_carrier()
         if self._pending:
             self._wait(timeout)
@@ -621,6 +648,8 @@ class CommandRecorder:
         vk.vkDestroyCommandPool(h, self._pool, None)
         self.handle = None
         self._keep = []
+        self._uses = set()
+        self.device.in_flight.discard(self)
         if not self._untracked:
             self.device.untrack(self)
 

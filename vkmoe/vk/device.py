@@ -9,6 +9,7 @@ import vulkan as vk
 
 from .. import knobs
 from . import statistics
+from .in_flight import InFlight
 from .errors import (VULKAN_INSTALL_HINT, DeviceClosedError, DeviceSelectionError, NoVulkanError, ValidationError,
                      VkmoeError, VulkanError, call, check)
 
@@ -283,6 +284,9 @@ class Device:
         # (its submission number, monotonic submit time)}, kept by vk.commands under _lock. A submission queued
         # behind one may wait for the driver's compile too (lavapipe compiles at the first dispatch).
         self._first_runs = {}
+        # The recorders and what their recordings use: Buffers, Pipelines and descriptor sets close through it, so
+        # none is freed under a run that still uses it (vk.in_flight).
+        self.in_flight = InFlight(self)
         from .memory import MemoryManager  # circular import: memory needs a Device
 
         self.memory = MemoryManager(self)
@@ -615,6 +619,7 @@ class Device:
             vk.vkDeviceWaitIdle(self.handle)
         except Exception:  # a lost device still has to be destroyed
             pass
+        self.in_flight.close()  # the frees that waited for runs (none is running now)
         for obj in reversed(list(self._children)):
             obj.close()
         self.memory.close()

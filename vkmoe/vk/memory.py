@@ -192,10 +192,14 @@ class Buffer:
         return out if shape is None else out.reshape(shape)
 
     def close(self):
+        """Closed for use at once; the memory is given back once no run on the queue uses it (vk.in_flight)."""
         if not self._closed:
             self._closed = True
             self._views.clear()
-            self._manager.release(self)
+            self.device.in_flight.release(self, self._release, "a Buffer")
+
+    def _release(self):
+        self._manager.release(self)
 
     def __enter__(self):
         return self

@@ -107,8 +107,9 @@ class Pipeline:
         self._allow_unused_spec = allow_unused_spec
         # full_subgroups: every subgroup of a workgroup has all its invocations (the device's computeFullSubgroups)
         self._full_subgroups = full_subgroups
-        h = device.handle
         self.handle = self.layout = self.set_layout = self._module = None
+        self._closed = False
+        self._free_lock = threading.Lock()
         with device.use():  # a concurrent Device.close() waits until the pipeline exists and is tracked
             try:
                 self._create_objects(code, given, required_subgroup_size)
@@ -208,7 +209,7 @@ class Pipeline:
         Needs a device opened with pipeline_statistics=True; raises vkmoe.vk.statistics.StatisticsUnavailableError
         naming what is missing otherwise."""
         with self.device.use():
-            if self.handle is None:
+            if self._closed:
                 raise VkmoeError(f"{self.name}: the pipeline is closed")
             return pipeline_statistics(self.device, self.handle, self.name)
 
@@ -217,8 +218,14 @@ class Pipeline:
             raise VkmoeError(f"{self.name} takes no push constants")
         return self.push_type(**values)
 
+    @property
+    def closed(self):
+        return self._closed
+
     def bind(self, *buffers):
         """A descriptor set binding `buffers` (vkmoe Buffers, in binding order) to this pipeline's layout."""
+        if self._closed:
+            raise VkmoeError(f"{self.name}: the pipeline is closed")
         if len(buffers) != self.binding_count:
             raise VkmoeError(f"{self.name} binds {self.binding_count} buffers, got {len(buffers)}")
         for i, b in enumerate(buffers):
@@ -229,21 +236,37 @@ class Pipeline:
         return self._pool.allocate(self.set_layout, buffers)
 
     def close(self):
-        if self.handle is None:
-            return
-        self._pool.close()
-        self._destroy_objects()
-        self.device.untrack(self)
+        """Closed for use at once; destroyed once no run on the queue uses it (vk.in_flight), or by the device's
+        close."""
+        if not self._closed:
+            self._closed = True
+            self.device.in_flight.release(self, self._free, "a Pipeline")
+        elif self.device.closed:  # the device's close: destroy it now if a deferred free has not yet
+            self._free()
+
+    def _free(self):
+        with self._free_lock:  # (the device's close and a deferred free may both come)
+            if self.layout is None:
+                return
+            self._pool.close()
+            self._destroy_objects()
+            self.device.untrack(self)
 
 
 class DescriptorSet:
     def __init__(self, pools, pool, handle, buffers):
         self._pools, self._pool, self.handle, self.buffers = pools, pool, handle, buffers
 
+    @property
+    def closed(self):
+        return self.handle is None
+
     def free(self):
-        if self.handle is not None:
-            self._pools.free(self._pool, self.handle)
-            self.handle = None
+        """Freed for use at once; given back to its pool once no run on the queue uses it (vk.in_flight)."""
+        handle, self.handle = self.handle, None
+        if handle is not None:
+            self._pools.device.in_flight.release(self, lambda: self._pools.free(self._pool, handle),
+                                                 "a descriptor set")
 
 
 class _DescriptorPools:

@@ -1,0 +1,172 @@
+"""Closing what a submission still uses: Buffers, Pipelines and descriptor sets outlive the runs that use them.
+
+A command buffer on the queue reads the buffers, pipelines and descriptor sets it was recorded with. Freeing one
+of them before that run is over is undefined: closing a Buffer under a running lavapipe dispatch crashed the
+process (segfault; the validation layer: VUID-vkDestroyBuffer-buffer-00922), and on a GPU it is a fault that loses
+the device. A runtime reaches it easily: `block.record(rec, h, out)`, `rec.submit(wait=False)`, then the last
+reference to `out` dropped or the layer closed.
+
+So each CommandRecorder notes what its recording uses (CommandRecorder._uses), and these objects close through
+InFlight.release(obj, free): the object is closed for use at once; recordings that use it are marked so that
+their next submit raises instead of running with a freed object; and free() runs once no submission that may use
+it is still on the queue. When one may be (a recorder submitted and not yet waited for), release() waits for
+the queue's work so far (a fence of its own behind an empty submission: it never calls a fence that another
+thread owns and may reset or destroy meanwhile), bounded by VKMOE_TIMEOUT; if that runs out (a hung or very busy
+device) free() runs later, at a release() after that fence signals or at the device's close (after
+vkDeviceWaitIdle). Nothing is waited for when no recording in flight uses the object: the usual close costs a
+scan of the device's recorders."""
+import threading
+import time
+
+import vulkan as vk
+
+from .. import knobs
+from .errors import DeviceClosedError, VkmoeError, check
+
+ffi = vk.ffi
+
+
+class InFlight:
+    """One device's CommandRecorders (what their recordings use) and the frees waiting for runs to end."""
+
+    def __init__(self, device):
+        self.device = device
+        self._recorders = set()
+        self._deferred = []  # (fence, free): free() once fence signals (or at the device's close)
+        # Reentrant: a finalizer that a garbage collection runs inside one of these sections (a dropped layer
+        # closing its buffers) may come back on this thread; every section leaves the state consistent for that.
+        self._lock = threading.RLock()
+        self._closed = False  # the device's close ran the deferred frees: from now on free() runs at once
+
+    def add(self, recorder):
+        with self._lock:
+            self._recorders.add(recorder)
+
+    def discard(self, recorder):
+        with self._lock:
+            self._recorders.discard(recorder)
+
+    def release(self, obj, free, what):
+        """Run free() for `obj` (the caller marked it closed already) once no run on the queue may use it;
+        `what` names it in the error of a recording that used it and is submitted again."""
+        with self._lock:
+            users = [r for r in self._recorders if obj in r._uses]
+            closed = self._closed
+        running = False
+        for r in users:
+            if r._stale is None:
+                r._stale = f"it uses {what} that was closed after it was recorded"
+            carrier = r._riding_on
+            running = running or r._pending or (carrier is not None and carrier._pending)
+        if self._deferred:
+            self._sweep()
+        if closed or not running:  # (closed: the device's close waited for its queue and ran the deferred frees)
+            free()  # (as before this module: the usual close, e.g. a dropped DeviceArray's, takes no device hold)
+            return
+        fence = self._queue_fence()
+        if fence is not None and self._wait(fence):
+            vk.vkDestroyFence(self.device.handle, fence, None)
+            self._free_now(free)
+        else:
+            self._defer(fence, free)
+
+    def _free_now(self, free):
+        """free() with the device held open (a concurrent Device.close() waits for it); when the device is closing,
+        its close runs it (after vkDeviceWaitIdle)."""
+        try:
+            with self.device.use():
+                free()
+                return
+        except DeviceClosedError:
+            pass
+        self._defer(None, free)
+
+    def _defer(self, fence, free):
+        with self._lock:
+            if not self._closed:
+                self._deferred.append((fence, free))
+                return
+        # The device's close has run the deferred frees already (its own close of each object frees it too):
+        # what is left is bookkeeping, or a free that object's close made idempotent.
+        free()
+
+    def _queue_fence(self):
+        """A new fence signalled when every submission made so far is over (an empty vkQueueSubmit: its fence's
+        signal covers all earlier submissions to the queue), or None when the device is closing or lost."""
+        dev = self.device
+        try:
+            with dev.use():
+                fence = _new_fence(dev)
+                with dev._lock:
+                    result = vk.lib.vkQueueSubmit(dev.queue, 0, ffi.NULL, fence)
+                if result != vk.VK_SUCCESS:
+                    vk.vkDestroyFence(dev.handle, fence, None)
+                    return None
+                return fence
+        except VkmoeError:  # closed (DeviceClosedError) or out of memory: the device's close frees it
+            return None
+
+    def _wait(self, fence):
+        """Whether `fence` signalled within VKMOE_TIMEOUT (slices: Ctrl-C stays responsive)."""
+        dev = self.device
+        fences = ffi.new("VkFence[1]", [fence])
+        deadline = time.monotonic() + knobs.get("VKMOE_TIMEOUT")
+        try:
+            with dev.use():
+                while True:
+                    left = deadline - time.monotonic()
+                    result = vk.lib.vkWaitForFences(dev.handle, 1, fences, vk.VK_TRUE,
+                                                    int(max(0.0, min(left, 0.25)) * 1e9))
+                    if result == vk.VK_SUCCESS:
+                        return True
+                    if result != vk.VK_TIMEOUT or left <= 0:
+                        return False
+        except VkmoeError:  # the device is closing: its close destroys the fence and runs the free
+            return False
+
+    def _sweep(self):
+        """Run the deferred frees whose fences have signalled (no waiting)."""
+        dev = self.device
+        with self._lock:
+            if self._closed:
+                return
+            deferred, self._deferred = self._deferred, []  # (this thread's: a nested release appends to the new list)
+        done, waiting = [], []
+        try:
+            with dev.use():
+                for fence, free in deferred:
+                    signalled = fence is not None and vk.lib.vkGetFenceStatus(dev.handle, fence) == vk.VK_SUCCESS
+                    (done if signalled else waiting).append((fence, free))
+                for fence, _ in done:
+                    vk.vkDestroyFence(dev.handle, fence, None)
+        except VkmoeError:  # the device is closing: hand everything back to its close
+            done, waiting = [], deferred
+        with self._lock:
+            if not self._closed:
+                self._deferred.extend(waiting)
+                waiting = []
+        for fence, free in waiting:  # (the device closed meanwhile, after its vkDeviceWaitIdle)
+            if fence is not None:
+                vk.vkDestroyFence(dev.handle, fence, None)
+            free()
+        for _, free in done:
+            free()
+
+    def close(self):
+        """The device's close, after vkDeviceWaitIdle: run every deferred free; later releases free at once."""
+        with self._lock:
+            self._closed = True
+            deferred, self._deferred = self._deferred, []
+            self._recorders.clear()
+        for fence, free in deferred:
+            if fence is not None:
+                vk.vkDestroyFence(self.device.handle, fence, None)
+            free()
+
+
+def _new_fence(dev):
+    """A new unsignalled fence of `dev` (VkmoeError if the driver refuses)."""
+    out = ffi.new("VkFence*")
+    info = ffi.new("VkFenceCreateInfo*", {"sType": vk.VK_STRUCTURE_TYPE_FENCE_CREATE_INFO})
+    check("vkCreateFence", vk.lib.vkCreateFence(dev.handle, info, ffi.NULL, out))
+    return out[0]
