@@ -263,11 +263,12 @@ def test_shared_up_gate_plan_for_their_share_of_the_device(device, tmp_path, mon
 
 
 def test_a_block_closed_while_its_recording_runs_waits_for_the_run(device, tmp_path):
-    """A runtime records a layer into its own command buffer, submits without waiting, then closes the layer and
-    drops the output array: their buffers were freed under the queued run (the memory handed to the next
-    allocation; a buffer of a block of its own freed: a driver crash). Now the closes wait for the run, which
-    still gives the block's output, and the recording refuses to run again. The block's commands queue behind a
-    spin dispatch of seconds, so they are still to run when the closes come."""
+    """A runtime records a layer into its own command buffer, submits without waiting, then reads the output array,
+    or closes the layer and drops the output array: the read gave what the buffer held before the run, and the
+    closes freed the buffers under the queued run (the memory handed to the next allocation; a buffer of a block
+    of its own freed: a driver crash). Now numpy() and the closes wait for the run, which still gives the block's
+    output, and the recording refuses to run again. The block's commands queue behind a spin dispatch of seconds,
+    so they are still to run when the read and the closes come."""
     path = write_checkpoint(str(tmp_path / "ckpt"), arch="qwen3_next", hidden=H, intermediate=128, experts=8,
                             top_k=2, shared_intermediate=256, seed=31)
     block = SparseMoeBlock.from_checkpoint(path, 0, backend="vulkan", device=device)
@@ -279,6 +280,10 @@ def test_a_block_closed_while_its_recording_runs_waits_for_the_run(device, tmp_p
         block.record(rec, xd, out)
         rec.end()
         rec.submit(wait=True)  # (its first run: lavapipe compiles)
+        out.buffer.upload(np.full((3, H), np.nan, np.float32))
+        rec.submit(wait=False, before=[spin.rec])
+        assert np.array_equal(out.numpy(), want)  # numpy() waits for the run (it read the poison before)
+        assert fence_signalled(rec)
         out.buffer.upload(np.full((3, H), np.nan, np.float32))
         rec.submit(wait=False, before=[spin.rec])
         block.close()

@@ -478,6 +478,26 @@ def test_a_close_whose_run_outlasts_the_wait_frees_the_memory_later(dev, monkeyp
         keep.close()
 
 
+def test_a_device_array_read_waits_for_a_run_that_uses_it(dev, monkeypatch):
+    """DeviceArray.numpy() right after submit(wait=False) read the buffer under the run: it waits for the run now,
+    and raises vkmoe.TimeoutError (the device stays usable) when the run outlasts VKMOE_TIMEOUT."""
+    from vkmoe.ops.device_array import DeviceArray
+
+    with SpinRun(dev, groups=1024) as spin:
+        arr = DeviceArray(spin.buf, (spin.buf.size // 4,), np.uint32)
+        done = arr.numpy()  # (the first run's output; the runs below write the same words again)
+        spin.buf.upload(np.arange(spin.buf.size // 4, dtype=np.uint32))
+        spin.rec.submit(wait=False)
+        monkeypatch.setenv("VKMOE_TIMEOUT", "0.05")
+        with pytest.raises(vkmoe.TimeoutError, match="did not finish within 0.05 s"):
+            arr.numpy()
+        monkeypatch.setenv("VKMOE_TIMEOUT", "120")
+        assert np.array_equal(arr.numpy(), done)
+        spin.buf.upload(np.arange(spin.buf.size // 4, dtype=np.uint32))
+        spin.rec.submit(wait=False)
+        assert np.array_equal(arr.numpy(), done) and fence_signalled(spin.rec)
+
+
 def test_a_recording_that_uses_a_closed_buffer_is_not_submitted(dev):
     """A recording made with a buffer closed later (no run in flight) ran with the freed buffer: submit() and a
     submission carrying it as a rider raise instead; begin() ... end() makes it usable again."""

@@ -76,10 +76,13 @@ class DeviceArray:
         return self.buffer.closed or self._device.closed
 
     def numpy(self):
-        """A new numpy array with the contents (waits for nothing: ops return after their submission finished)."""
+        """A new numpy array with the contents. An op's call returns after its submission finished; a recording of
+        the caller's that uses this array and was submitted without waiting is waited for first (VKMOE_TIMEOUT),
+        so the read never races the GPU."""
         self._check_open("numpy()")
         if not self.nbytes:
             return np.zeros(self.shape, self.dtype)
+        self._device.in_flight.wait_for(self.buffer)
         return self.buffer.download(self.dtype, self.shape)
 
     def _check_open(self, what):

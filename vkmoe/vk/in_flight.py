@@ -21,7 +21,7 @@ import time
 import vulkan as vk
 
 from .. import knobs
-from .errors import DeviceClosedError, VkmoeError, check
+from .errors import DeviceClosedError, TimeoutError, VkmoeError, check
 
 ffi = vk.ffi
 
@@ -49,15 +49,11 @@ class InFlight:
     def release(self, obj, free, what):
         """Run free() for `obj` (the caller marked it closed already) once no run on the queue may use it;
         `what` names it in the error of a recording that used it and is submitted again."""
-        with self._lock:
-            users = [r for r in self._recorders if obj in r._uses]
-            closed = self._closed
-        running = False
+        users, closed = self._users(obj)
         for r in users:
             if r._stale is None:
                 r._stale = f"it uses {what} that was closed after it was recorded"
-            carrier = r._riding_on
-            running = running or r._pending or (carrier is not None and carrier._pending)
+        running = any(_submitted_unwaited(r) for r in users)
         if self._deferred:
             self._sweep()
         if closed or not running:  # (closed: the device's close waited for its queue and ran the deferred frees)
@@ -69,6 +65,29 @@ class InFlight:
             self._free_now(free)
         else:
             self._defer(fence, free)
+
+    def wait_for(self, obj):
+        """Return once no submission that may use `obj` is on the queue (an array read back right after the
+        caller's own submit(wait=False) of a recording that writes it); vkmoe.TimeoutError after VKMOE_TIMEOUT.
+        Waits for nothing, and costs a scan of the recorders, when no such submission was made."""
+        users, closed = self._users(obj)
+        if closed or not any(_submitted_unwaited(r) for r in users):
+            return
+        fence = self._queue_fence()
+        if fence is None:
+            self.device.check_open()  # (closed: DeviceClosedError; lost: the submission's error was raised)
+            raise VkmoeError("could not wait for the queue (the device may be lost)")
+        if self._wait(fence):
+            vk.vkDestroyFence(self.device.handle, fence, None)
+            return
+        self._defer(fence, lambda: None)  # (a fence still on the queue may not be destroyed yet)
+        raise TimeoutError(f"the submissions using this buffer did not finish within {knobs.get('VKMOE_TIMEOUT'):g} "
+                           "s; the device may be hung and should be recreated")
+
+    def _users(self, obj):
+        """(the recorders whose recordings use obj, whether the device's close has run the deferred frees)."""
+        with self._lock:
+            return [r for r in self._recorders if obj in r._uses], self._closed
 
     def _free_now(self, free):
         """free() with the device held open (a concurrent Device.close() waits for it); when the device is closing,
@@ -162,6 +181,13 @@ class InFlight:
             if fence is not None:
                 vk.vkDestroyFence(self.device.handle, fence, None)
             free()
+
+
+def _submitted_unwaited(rec):
+    """Whether `rec`'s commands were submitted (by it, or riding on another recorder's submission) and nobody has
+    seen that submission finish: it may still be on the queue."""
+    carrier = rec._riding_on
+    return rec._pending or (carrier is not None and carrier._pending)
 
 
 def _new_fence(dev):
