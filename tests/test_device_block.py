@@ -403,6 +403,10 @@ def test_cpu_block_keeps_the_host_path(tmp_path):
     assert cpu.device_block is None
     x = _hidden(3, seed=2)
     assert _rel_rms(cpu(x), cpu.reference(x)) < TOL and cpu.last_run["mode"] == "cpu"
+    cpu.close()  # closed on every backend (the CPU one went on answering)
+    for use in (lambda: cpu(x), lambda: cpu.route(x)):
+        with pytest.raises(VkmoeError, match="this SparseMoeBlock is closed"):
+            use()
 
 
 @pytest.mark.parametrize("name", ["qwen3_next", "nemotron_h_latent"])

@@ -31,8 +31,12 @@ _DeviceArray = None
 
 
 def _closed_error(block):
-    """vkmoe.vk's error for a block used after close() (imported here: only the device path raises it)."""
-    from ..vk.errors import closed_op_error
+    """vkmoe.vk's error for a block used after close() (imported here: the CPU backend must not need the Vulkan
+    layer; where it cannot be imported, a ValueError with the same message)."""
+    try:
+        from ..vk.errors import closed_op_error
+    except Exception:  # (vkmoe.vk imports the binding, which needs the Vulkan loader)
+        return ValueError(f"this {type(block).__name__} is closed (its close() ran): make a new one")
     return closed_op_error(block)
 
 
@@ -238,6 +242,8 @@ class SparseMoeBlock:
 
     def route(self, hidden, input_ids=None, dtype=np.float32, residual=None):
         """(expert ids int64 (m, top_k), routing weights (m, top_k) in `dtype`), router math in `dtype`."""
+        if self._closed:
+            raise _closed_error(self)
         c = self.config
         dt = np.dtype(dtype)
         if dt not in (np.float32, np.float64):
@@ -262,6 +268,8 @@ class SparseMoeBlock:
         on the device in ONE submission (vkmoe.ops.block). The CPU backend: numpy in and out."""
         if self.device_block is not None:
             return self._device_call(hidden, input_ids, out, residual)
+        if self._closed:  # (the CPU backend's ops hold no device memory, but a closed block is closed everywhere)
+            raise _closed_error(self)
         self._refuse_device_arrays(hidden, out)
         h = self._check_hidden(hidden)
         m = h.shape[0]
