@@ -61,7 +61,6 @@ class InFlight:
             return
         fence = self._queue_fence()
         if fence is not None and self._wait(fence):
-            vk.vkDestroyFence(self.device.handle, fence, None)
             self._free_now(free)
         else:
             self._defer(fence, free)
@@ -78,7 +77,6 @@ class InFlight:
             self.device.check_open()  # (closed: DeviceClosedError; lost: the submission's error was raised)
             raise VkmoeError("could not wait for the queue (the device may be lost)")
         if self._wait(fence):
-            vk.vkDestroyFence(self.device.handle, fence, None)
             return
         self._defer(fence, lambda: None)  # (a fence still on the queue may not be destroyed yet)
         raise TimeoutError(f"the submissions using this buffer did not finish within {knobs.get('VKMOE_TIMEOUT'):g} "
@@ -126,7 +124,8 @@ class InFlight:
             return None
 
     def _wait(self, fence):
-        """Whether `fence` signalled within VKMOE_TIMEOUT (slices: Ctrl-C stays responsive)."""
+        """Whether `fence` signalled within VKMOE_TIMEOUT (slices: Ctrl-C stays responsive); it is destroyed if so
+        (under the same device hold: a concurrent Device.close() cannot come between)."""
         dev = self.device
         fences = ffi.new("VkFence[1]", [fence])
         deadline = time.monotonic() + knobs.get("VKMOE_TIMEOUT")
@@ -137,6 +136,7 @@ class InFlight:
                     result = vk.lib.vkWaitForFences(dev.handle, 1, fences, vk.VK_TRUE,
                                                     int(max(0.0, min(left, 0.25)) * 1e9))
                     if result == vk.VK_SUCCESS:
+                        vk.vkDestroyFence(dev.handle, fence, None)
                         return True
                     if result != vk.VK_TIMEOUT or left <= 0:
                         return False
@@ -144,30 +144,25 @@ class InFlight:
             return False
 
     def _sweep(self):
-        """Run the deferred frees whose fences have signalled (no waiting)."""
+        """Run the deferred frees whose fences have signalled (no waiting). Under the lock throughout, so the
+        device's close (which takes it after its vkDeviceWaitIdle) never finds a fence in this thread's hands; a
+        nested release on this thread (a finalizer) appends to the fresh list, kept below."""
         dev = self.device
         with self._lock:
             if self._closed:
                 return
-            deferred, self._deferred = self._deferred, []  # (this thread's: a nested release appends to the new list)
-        done, waiting = [], []
-        try:
-            with dev.use():
-                for fence, free in deferred:
-                    signalled = fence is not None and vk.lib.vkGetFenceStatus(dev.handle, fence) == vk.VK_SUCCESS
-                    (done if signalled else waiting).append((fence, free))
-                for fence, _ in done:
-                    vk.vkDestroyFence(dev.handle, fence, None)
-        except VkmoeError:  # the device is closing: hand everything back to its close
-            done, waiting = [], deferred
-        with self._lock:
-            if not self._closed:
-                self._deferred.extend(waiting)
-                waiting = []
-        for fence, free in waiting:  # (the device closed meanwhile, after its vkDeviceWaitIdle)
-            if fence is not None:
-                vk.vkDestroyFence(dev.handle, fence, None)
-            free()
+            deferred, self._deferred = self._deferred, []
+            done, waiting = [], []
+            try:
+                with dev.use():
+                    for fence, free in deferred:
+                        signalled = fence is not None and vk.lib.vkGetFenceStatus(dev.handle, fence) == vk.VK_SUCCESS
+                        (done if signalled else waiting).append((fence, free))
+                    for fence, _ in done:
+                        vk.vkDestroyFence(dev.handle, fence, None)
+            except VkmoeError:  # the device is closing: its close runs them all
+                done, waiting = [], deferred
+            self._deferred.extend(waiting)
         for _, free in done:
             free()
 
