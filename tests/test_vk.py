@@ -471,7 +471,7 @@ def test_a_close_whose_run_outlasts_the_wait_frees_the_memory_later(dev, monkeyp
         with dev.memory.allocate(nbytes) as other:
             assert (other.block, other.offset) != (block, offset)  # the range is still the run's
         monkeypatch.setenv("VKMOE_TIMEOUT", "120")
-        rec.wait()
+        dev.wait_idle()  # (the run and the close's own fence behind it: rec.wait() alone may see the run end first)
         dev.memory.allocate(16).close()  # any later close gives back what waited for a finished run
         with dev.memory.allocate(nbytes) as again:
             assert (again.block, again.offset) == (block, offset)
