@@ -294,6 +294,39 @@ def test_config_edit_rejected(source, edit, exc, match, request, tmp_path):
         SparseMoeBlock.from_checkpoint(d, 0, backend="cpu")
 
 
+# Values of the wrong kind: each was taken (a string as its number, 2.5 as 2, true as 1.0, a negative or NaN
+# scaling that turned the routed output around or into NaN, num_hidden_layers 0 with layer 0 loading) or failed
+# with a bare float() message. The error names the key and what it must be.
+@pytest.mark.parametrize("source, key, value, match", [
+    ("deepseek_dir", "routed_scaling_factor", -1.0, r"routed_scaling_factor=-1\.0 must be a finite number > 0"),
+    ("deepseek_dir", "routed_scaling_factor", 0, r"routed_scaling_factor=0 must be a finite number > 0"),
+    ("deepseek_dir", "routed_scaling_factor", float("nan"), r"routed_scaling_factor=nan must be a finite number"),
+    ("deepseek_dir", "routed_scaling_factor", float("inf"), r"routed_scaling_factor=inf must be a finite number"),
+    ("deepseek_dir", "routed_scaling_factor", True, r"routed_scaling_factor=True must be a finite number"),
+    ("deepseek_dir", "routed_scaling_factor", "abc", r"routed_scaling_factor='abc' must be a finite number"),
+    ("qwen_dir", "hidden_size", "256", r"hidden_size='256' is not an integer"),
+    ("qwen_dir", "hidden_size", 256.5, r"hidden_size=256\.5 is not an integer"),
+    ("qwen_dir", "num_experts_per_tok", 2.5, r"num_experts_per_tok=2\.5 is not an integer"),
+    ("qwen_dir", "num_experts_per_tok", True, r"num_experts_per_tok=True is not an integer"),
+    ("qwen_dir", "norm_topk_prob", "yes", r"norm_topk_prob='yes' is not true or false"),
+    ("qwen_dir", "num_hidden_layers", 0, r"num_hidden_layers=0 must be >= 1"),
+    ("qwen_dir", "num_hidden_layers", 1.5, r"num_hidden_layers=1\.5 is not an integer"),
+    ("deepseek_dir", "n_shared_experts", 1.5, r"n_shared_experts=1\.5 is not an integer"),
+    ("qwen_dir", "rms_norm_eps", -1e-6, r"rms_norm_eps=-1e-06 must be a finite number > 0"),
+], ids=lambda v: str(v)[:24])
+def test_config_values_of_the_wrong_kind_are_named(source, key, value, match, request, tmp_path):
+    d = _copy(request.getfixturevalue(source), tmp_path, lambda c: c.update({key: value}))
+    with pytest.raises(CheckpointError, match=match):
+        SparseMoeBlock.from_checkpoint(d, 0, backend="cpu")
+
+
+def test_integral_floats_and_nulls_in_config_still_load(qwen_dir, tmp_path):
+    """What some writers emit: 8.0 for an integer, null for a key with a default."""
+    d = _copy(qwen_dir, tmp_path, lambda c: c.update(num_experts=float(c["num_experts"]), norm_topk_prob=None))
+    block = SparseMoeBlock.from_checkpoint(d, 0, backend="cpu")
+    assert block.config.num_experts == 8 and block.config.norm_topk_prob is True
+
+
 def test_router_shape_mismatch_names_key(tmp_path):
     d = write_checkpoint(str(tmp_path / "c"), **dict(QWEN, layers=1))
     other = write_checkpoint(str(tmp_path / "o"), **dict(QWEN, layers=1, hidden=384))

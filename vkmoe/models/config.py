@@ -8,8 +8,11 @@ the missing or inconsistent key when something is wrong.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from ..exl3.loaders import CheckpointError, MissingTensorError  # defined where tensors are loaded; re-exported
 
@@ -382,10 +385,36 @@ class MoeConfig:
             return out
 
         def as_int(name, v):
-            try:
+            # A JSON integer (or a float with an integral value, as some writers emit): "8", 2.5 and true were
+            # taken as 8, 2 and 1.
+            if isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)):
                 return int(v)
-            except (TypeError, ValueError):
-                raise CheckpointError(f"{source}: {name}={v!r} is not an integer") from None
+            if isinstance(v, (float, np.floating)) and math.isfinite(v) and v == int(v):
+                return int(v)
+            raise CheckpointError(f"{source}: {name}={v!r} is not an integer")
+
+        def as_float(name, v, positive=False):
+            # A finite JSON number ("abc" raised a bare float() error; true was 1.0, NaN and Infinity were taken).
+            ok = isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
+            if not ok or not math.isfinite(v) or (positive and not v > 0) or (not positive and v < 0):
+                raise CheckpointError(f"{source}: {name}={v!r} must be a finite number "
+                                      + ("> 0" if positive else ">= 0"))
+            return float(v)
+
+        def as_bool(name, v):
+            # true / false (or 0 / 1): "yes" and 2 were taken as true.
+            if isinstance(v, (bool, np.bool_)) or (isinstance(v, (int, np.integer)) and v in (0, 1)):
+                return bool(v)
+            raise CheckpointError(f"{source}: {name}={v!r} is not true or false")
+
+        def layer_count(v):
+            # absent or null: unknown (0); present: at least one layer (0 let layer 0 load)
+            if v is None:
+                return 0
+            n = as_int("num_hidden_layers", v)
+            if n < 1:
+                raise CheckpointError(f"{source}: num_hidden_layers={v!r} must be >= 1")
+            return n
 
         act_key = "mlp_hidden_act" if arch == "nemotron_h" else spec.key("hidden_act")
         hidden_act = cfg.get(act_key, defaults.get(act_key)) or "silu"
@@ -405,22 +434,24 @@ class MoeConfig:
                 num_experts=as_int(spec.experts_key, need(spec.experts_key)),
                 top_k=as_int(spec.key("num_experts_per_tok"), need(spec.key("num_experts_per_tok"))),
                 moe_intermediate_size=I,
-                hidden_act=hidden_act, norm_topk_prob=bool(opt("norm_topk_prob", True)),
+                hidden_act=hidden_act, norm_topk_prob=as_bool(spec.key("norm_topk_prob"), opt("norm_topk_prob", True)),
                 n_shared_experts=n_shared, scoring_func=cfg.get(spec.key("scoring_func")) or scoring,
                 n_group=as_int("n_group", opt("n_group", 1)), topk_group=as_int("topk_group", opt("topk_group", 1)),
-                routed_scaling_factor=float(opt("routed_scaling_factor", 1.0)),
+                routed_scaling_factor=as_float(spec.key("routed_scaling_factor"), opt("routed_scaling_factor", 1.0),
+                                               positive=True),
                 first_k_dense_replace=as_int("first_k_dense_replace", opt("first_k_dense_replace", 0)),
                 moe_layer_freq=as_int("moe_layer_freq", opt("moe_layer_freq", 1)),
                 decoder_sparse_step=as_int("decoder_sparse_step", opt("decoder_sparse_step", 1) or 1),
                 mlp_only_layers=list(opt("mlp_only_layers", ())),
-                num_hidden_layers=as_int("num_hidden_layers", cfg.get("num_hidden_layers") or 0),
-                shared_intermediate_size=shared_i, act_limit=float(opt("swiglu_limit", 0.0)),
+                num_hidden_layers=layer_count(cfg.get("num_hidden_layers")),
+                shared_intermediate_size=shared_i, act_limit=as_float("swiglu_limit", opt("swiglu_limit", 0.0)),
                 num_hash_layers=as_int("num_hash_layers", opt("num_hash_layers", 0)),
                 vocab_size=as_int("vocab_size", cfg.get("vocab_size") or 0),
                 hybrid_override_pattern=str(cfg.get("hybrid_override_pattern") or ""),
                 mlp_layer_types=tuple(cfg.get("mlp_layer_types") or ()),
-                rms_norm_eps=float(opt("rms_norm_eps", 1e-6)), interm_div=spec.interm_div, source=source,
-                use_bias=None if cfg.get(spec.bias_flag or "") is None else bool(cfg[spec.bias_flag]),
+                rms_norm_eps=as_float("rms_norm_eps", opt("rms_norm_eps", 1e-6), positive=True),
+                interm_div=spec.interm_div, source=source,
+                use_bias=None if cfg.get(spec.bias_flag or "") is None else as_bool(spec.bias_flag, cfg[spec.bias_flag]),
                 moe_latent_size=as_int(spec.latent_key, cfg.get(spec.latent_key) or 0) if spec.latent_key else 0)
         if spec.layer_rule == "enum":
             enum = need("moe_layers_enum")
