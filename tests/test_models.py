@@ -431,6 +431,14 @@ def test_tool_rejects_bad_shape(tmp_path):
     assert r.returncode == 2 and "hidden_size=200" in r.stderr
 
 
+@pytest.mark.parametrize("seed", [-1, 1.5, True])
+def test_write_checkpoint_names_a_bad_seed(tmp_path, seed):
+    """(-1 failed in numpy with "expected non-negative integer", naming nothing)"""
+    with pytest.raises(ValueError, match=r"seed: expected an integer >= 0, got "):
+        write_checkpoint(str(tmp_path / "c"), **dict(QWEN, seed=seed))
+    assert not os.path.exists(tmp_path / "c")
+
+
 def test_deepseek_missing_keys_take_hf_defaults():
     c = MoeConfig.from_dict({"model_type": "deepseek_v3", "hidden_size": 256, "n_routed_experts": 64,
                              "num_experts_per_tok": 8, "moe_intermediate_size": 128})

@@ -212,6 +212,8 @@ def write_checkpoint(out, arch="qwen3_moe", hidden=256, intermediate=128, expert
         raise ValueError(f"codebook: expected mul1, mcg or 3inst, got {codebook!r}")
     if layers < 1 or shards < 1:
         raise ValueError(f"layers and shards must be >= 1, got layers={layers}, shards={shards}")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"seed: expected an integer >= 0, got {seed!r}")  # (numpy: "expected non-negative integer")
     os.makedirs(out, exist_ok=True)
     # A previous run's shards or index would otherwise shadow (index) or duplicate (glob) this run's tensors.
     for name in os.listdir(out):
