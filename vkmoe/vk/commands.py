@@ -6,6 +6,7 @@ recorder, and the wait spins on the fence status for a short while before sleepi
 submit + wait took 71.6 us sleeping in vkWaitForFences and 42.9 us spinning)."""
 import contextlib
 import functools
+import math
 import threading
 import time
 import weakref
@@ -22,6 +23,15 @@ ffi = vk.ffi
 # enough that a long one costs little CPU. On a CPU device (lavapipe) the "GPU" is the host's own cores, which
 # a spinning thread would take from the driver's workers, so it never spins there.
 SPIN_BEFORE_SLEEP_S = 0.0005
+
+# On a GPU a recorder whose last run took longer spins about that long (RUN_SPIN_FACTOR x the time its last wait
+# saw, in steps of SPIN_STEP_S, at most MAX_SPIN_S) before it sleeps: waking from vkWaitForFences cost the H100 host
+# 200-350 us per submission (tools/bench_decode: 16 chained Qwen3 blocks, 634 us of GPU work, took 901 us of wall
+# time sleeping past the 0.5 ms spin). A spin ends as soon as the fence signals, so a longer bound costs no latency,
+# only a busy core while a long run runs (what CUDA's default wait does too).
+RUN_SPIN_FACTOR = 1.25
+SPIN_STEP_S = 0.00005
+MAX_SPIN_S = 0.01
 
 # How long the first run of a freshly recorded command buffer may take when the caller names no timeout: lavapipe
 # compiles a pipeline at its first dispatch (4.5 s for a tiny split layer on Mesa 25, 70-140 s for a persistent
@@ -174,7 +184,10 @@ class CommandRecorder:
         self._queued_behind = ()  # other recorders' first runs that were on the queue when this one was submitted
         self._close_deferred = False  # close() found its submission still running: the objects go later (close())
         self._riding_on = None  # the recorder whose submission (and fence) carried this buffer last
-        self.spin_s = 0.0 if device.device_type == "cpu" else SPIN_BEFORE_SLEEP_S
+        self._adaptive_spin = device.device_type != "cpu"
+        self._run_s = 0.0  # how long the last wait saw this buffer's run take (from submission to the fence)
+        self._submit_t = 0.0
+        self.spin_s = 0.0 if device.device_type == "cpu" else SPIN_BEFORE_SLEEP_S  # (sets _spin_next)
         # Built once: what submit() and wait() hand to the cffi functions.
         self._fences = ffi.new("VkFence[1]", [self._fence])
         self._own_info = _submit_info([self.handle])  # a submission of this buffer alone
@@ -414,7 +427,7 @@ class CommandRecorder:
             result = lib.vkn_call_finish(c, out_conv, dst)
         if result:
             call.raise_error(result)
-        self._pending = False
+        self._ran()
 
     def _prepare_submit(self, timeout, before, after):
         """What every submission checks and settles first: this buffer and the riders recorded, the last
@@ -455,6 +468,7 @@ class CommandRecorder:
         global _submissions
         _submissions += 1
         self._pending = True
+        self._submit_t = time.perf_counter()
         self._pending_fresh, self._fresh = self._fresh, False
         self.submissions += 1
         first_runs = self.device._first_runs
@@ -491,10 +505,10 @@ class CommandRecorder:
         """Wait for the pending submission: spin for spin_s (unless the caller `spun` already), then sleep for up
         to `timeout` seconds (None: VKMOE_TIMEOUT, or COMPILE_TIMEOUT_S for the first run of a fresh recording)
         in slices."""
-        if self.spin_s > 0 and not spun:
-            status = self._spin(self.spin_s)
+        if self._spin_next > 0 and not spun:
+            status = self._spin(self._spin_next)
             if status == vk.VK_SUCCESS:
-                self._pending = False
+                self._ran()
                 return
             if status != vk.VK_NOT_READY:
                 check("vkGetFenceStatus", status)
@@ -510,7 +524,7 @@ class CommandRecorder:
             result = vk.lib.vkWaitForFences(self.device.handle, 1, self._fences, vk.VK_TRUE,
                                             int(min(left, 0.25) * 1e9))
             if result == vk.VK_SUCCESS:
-                self._pending = False
+                self._ran()
                 return
             check("vkWaitForFences", result, ok=(vk.VK_TIMEOUT,))
             left = deadline - time.monotonic()
@@ -546,6 +560,30 @@ class CommandRecorder:
     @property
     def pending(self):
         return self._pending
+
+    @property
+    def spin_s(self):
+        """The shortest spin of a wait before it sleeps (0: never spin; on a GPU the wait of a recorder whose runs
+        take longer spins about as long as the last one took: _spin_next)."""
+        return self._spin_base
+
+    @spin_s.setter
+    def spin_s(self, seconds):
+        self._spin_base = seconds
+        self._spin_next = self._next_spin()
+
+    def _next_spin(self):
+        spin = self._spin_base
+        if self._adaptive_spin and spin > 0 and RUN_SPIN_FACTOR * self._run_s > spin:
+            spin = min(MAX_SPIN_S, math.ceil(RUN_SPIN_FACTOR * self._run_s / SPIN_STEP_S) * SPIN_STEP_S)
+        return spin
+
+    def _ran(self):
+        """The pending submission is over (a wait saw its fence signal): note how long it took."""
+        self._pending = False
+        if self._adaptive_spin:
+            self._run_s = time.perf_counter() - self._submit_t
+            self._spin_next = self._next_spin()
 
     def timestamps_ms(self):
         """Timestamps written by the last completed submission, in milliseconds from the first one."""

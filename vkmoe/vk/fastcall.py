@@ -1,7 +1,7 @@
 """The native call path: the host side of a recorded op call (write the inputs into mapped buffers, reset the
 fence, submit, wait, read the output) in two C calls of vkmoe._native (native/vkn_call.c) instead of numpy view
 writes and about ten calls into the `vulkan` binding (each a libffi call from Python). The C side spins on the fence for the recorder's spin
-time (CommandRecorder.spin_s); a longer wait is CommandRecorder._wait's, with VKMOE_TIMEOUT, as on the Python
+time (CommandRecorder.spin_s, or on a GPU about as long as its last run took); a longer wait is CommandRecorder._wait's, with VKMOE_TIMEOUT, as on the Python
 path.
 
 The C side links no Vulkan: it calls the same loader functions the binding calls, by the addresses the binding
@@ -122,7 +122,7 @@ class NativeCall:
         c.device = _ffi.cast("void *", _address(dev.handle))
         c.queue = _ffi.cast("void *", _address(dev.queue))
         c.fence = _ffi.cast("uint64_t *", _address(rec._fences))
-        c.spin_s = self._spin_s = rec.spin_s  # (_spin_s: what the struct holds, compared without cffi)
+        c.spin_s = self._spin_s = rec._spin_next  # (_spin_s: what the struct holds, compared without cffi)
         self.inputs = [_Slot(i, getattr(c, "in")[i], *spec) for i, spec in enumerate(inputs)]
         self.output = _Slot(None, c.out, *output)
 
@@ -212,8 +212,8 @@ class NativeCall:
         input, the caller's check(arrays) raises, naming the problem; if it finds none, C's rule was stricter than
         the caller's check, which is the authority, and the inputs go in unchecked."""
         rec = self.rec
-        if rec.spin_s != self._spin_s:  # (tests change it on a live recorder)
-            self.struct.spin_s = self._spin_s = rec.spin_s
+        if rec._spin_next != self._spin_s:  # (the spin the last run asks for; tests change spin_s too)
+            self.struct.spin_s = self._spin_s = rec._spin_next
         try:
             rec.begin_native(self, convs, checks, sources, before, after)
         except _Rejected:
