@@ -205,6 +205,10 @@ class CommandRecorder:
         self._uses = set()
         self._stale = None
         self._untracked = untracked
+        # close() from two threads (the owner's and the device's close) freed everything twice: one at a time, and
+        # a nested close() on the same thread (a finalizer that a collection runs inside it) does nothing.
+        self._close_lock = threading.RLock()
+        self._closing = False
         device.in_flight.add(self)
         if not untracked:
             device.track(self)
@@ -666,8 +670,16 @@ class CommandRecorder:
         submission is still running when the wait gives up (VKMOE_TIMEOUT: a hung or very busy device), freeing
         them would be undefined: the recorder is closed for use and they are freed by a later close() or by the
         device's close (after vkDeviceWaitIdle)."""
-        if self.handle is None:
-            return
+        with self._close_lock:
+            if self.handle is None or self._closing:
+                return
+            self._closing = True
+            try:
+                self._close_locked()
+            finally:
+                self._closing = False
+
+    def _close_locked(self):
         if self._pending:
             try:
                 self.wait()

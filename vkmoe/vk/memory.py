@@ -193,10 +193,12 @@ class Buffer:
 
     def close(self):
         """Closed for use at once; the memory is given back once no run on the queue uses it (vk.in_flight)."""
-        if not self._closed:
+        with self._manager._lock:  # (two threads closing one buffer gave its range back twice)
+            if self._closed:
+                return
             self._closed = True
-            self._views.clear()
-            self.device.in_flight.release(self, self._release, "a Buffer")
+        self._views.clear()
+        self.device.in_flight.release(self, self._release, "a Buffer")
 
     def _release(self):
         self._manager.release(self)
