@@ -263,7 +263,8 @@ class DescriptorSet:
 
     def free(self):
         """Freed for use at once; given back to its pool once no run on the queue uses it (vk.in_flight)."""
-        handle, self.handle = self.handle, None
+        with self._pools._lock:  # (two threads freeing one set would both have taken the handle)
+            handle, self.handle = self.handle, None
         if handle is not None:
             self._pools.device.in_flight.release(self, lambda: self._pools.free(self._pool, handle),
                                                  "a descriptor set")
