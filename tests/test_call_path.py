@@ -267,6 +267,36 @@ def test_zero_rows_with_device_arrays(device, ops):
     assert z.shape == (0, lin1.n) and z.numpy().dtype == np.float16
 
 
+def test_device_array_arguments_are_named(device, monkeypatch):
+    """A shape of 2.5 or "4" was taken as 2 or 4, an object dtype was taken, a non-Buffer failed with an
+    AttributeError, a negative size was reported as a buffer size, and a from_numpy whose upload failed left its
+    buffer allocated until the device closed."""
+    with device.memory.allocate(64) as buf:
+        for call, err, msg in (
+                (lambda: DeviceArray("abc", (2,), np.float16), TypeError, "buffer: expected a vkmoe Buffer or None"),
+                (lambda: DeviceArray(buf, (1.5,), np.float16), TypeError, r"shape: expected a tuple of integers"),
+                (lambda: DeviceArray(buf, ("4",), np.float16), TypeError, r"shape: expected a tuple of integers"),
+                (lambda: DeviceArray(buf, (True,), np.float16), TypeError, r"shape: expected a tuple of integers"),
+                (lambda: DeviceArray(buf, (2,), object), TypeError, "dtype: expected a numeric dtype, got object"),
+                (lambda: DeviceArray(buf, (10 ** 30,), np.float16), ValueError, "the buffer holds 64"),
+                (lambda: DeviceArray.empty(device, (-1, 2), np.float16), ValueError, "non-negative dimensions"),
+                (lambda: DeviceArray.empty(device, (2.5,), np.float16), TypeError, "shape: expected a tuple"),
+                (lambda: DeviceArray.empty(device, (2,), "U4"), TypeError, "dtype: expected a numeric dtype")):
+            with pytest.raises(err, match=msg):
+                call()
+        assert DeviceArray(buf, 4, np.float16).shape == (4,)  # (an int is a 1-d shape, as in numpy)
+    made = []
+    real_allocate = device.memory.allocate
+    monkeypatch.setattr(device.memory, "allocate", lambda *a, **k: made.append(real_allocate(*a, **k)) or made[-1])
+    def failing_upload(*args, **kwargs):
+        raise OSError("upload failed")
+
+    monkeypatch.setattr(vkmoe.Buffer, "upload", failing_upload)
+    with pytest.raises(OSError, match="upload failed"):
+        DeviceArray.from_numpy(device, np.ones((4, 4), np.float16))
+    assert len(made) == 1 and made[0].closed  # (the buffer went back)
+
+
 def test_bad_device_arrays(device, ops, layer):
     moe, lin1, _ = ops
     call = layer.calls[0]

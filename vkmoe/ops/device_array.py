@@ -10,6 +10,7 @@ buffers that go into the SAME vkQueueSubmit as the op's (CallTransfers), so a ca
 caller passes again (the same input and/or output array as an earlier call of that shape) are bound instead, in a
 recording of their own, with no copies at all (RepeatedArrays).
 """
+import math
 from collections import OrderedDict
 
 import numpy as np
@@ -25,11 +26,11 @@ class DeviceArray:
     (DeviceArray(buffer, shape, dtype), not owned: close() then leaves the buffer alone)."""
 
     def __init__(self, buffer, shape, dtype, owned=False):
-        self.shape = tuple(int(d) for d in shape)
-        self.dtype = np.dtype(dtype)
-        if any(d < 0 for d in self.shape):
-            raise ValueError(f"shape must have non-negative dimensions, got {self.shape}")
-        self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        self.shape = _shape(shape)
+        self.dtype = _dtype(dtype)
+        self.nbytes = math.prod(self.shape) * self.dtype.itemsize
+        if buffer is not None and not all(hasattr(buffer, a) for a in ("size", "closed", "device")):
+            raise TypeError(f"buffer: expected a vkmoe Buffer or None, got {type(buffer).__name__}")
         if self.nbytes and buffer is None:
             raise ValueError(f"a DeviceArray of shape {self.shape} {self.dtype} needs a buffer")
         if buffer is not None and buffer.size < self.nbytes:
@@ -44,7 +45,7 @@ class DeviceArray:
     def empty(cls, device, shape, dtype):
         """An uninitialised DeviceArray in device memory (no buffer at all when it has no elements)."""
         expect_device(device)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        nbytes = math.prod(_shape(shape)) * _dtype(dtype).itemsize
         buffer = device.memory.allocate(nbytes) if nbytes else None
         arr = cls(buffer, shape, dtype, owned=True)
         arr._device = device
@@ -57,7 +58,11 @@ class DeviceArray:
             raise TypeError(f"array must be a numpy array, got {type(array).__name__}")
         arr = cls.empty(device, array.shape, array.dtype)
         if arr.nbytes:
-            arr.buffer.upload(np.ascontiguousarray(array))
+            try:
+                arr.buffer.upload(np.ascontiguousarray(array))
+            except BaseException:  # (the buffer was left allocated until the device closed)
+                arr.close()
+                raise
         return arr
 
     @property
@@ -121,6 +126,30 @@ class DeviceArray:
     def __repr__(self):
         state = " closed" if self.closed else ""
         return f"<vkmoe.DeviceArray {self.shape} {self.dtype}{state}>"
+
+
+def _shape(shape):
+    """`shape` as a tuple of ints >= 0 (an int n: (n,)); TypeError / ValueError naming it (2.5 and "4" were
+    taken as 2 and 4, a negative size failed as a buffer size)."""
+    if isinstance(shape, (int, np.integer)) and not isinstance(shape, (bool, np.bool_)):
+        shape = (shape,)
+    try:
+        dims = tuple(shape)
+    except TypeError:
+        raise TypeError(f"shape: expected a tuple of integers, got {shape!r}") from None
+    if any(isinstance(d, (bool, np.bool_)) or not isinstance(d, (int, np.integer)) for d in dims):
+        raise TypeError(f"shape: expected a tuple of integers, got {shape!r}")
+    if any(d < 0 for d in dims):
+        raise ValueError(f"shape must have non-negative dimensions, got {dims}")
+    return tuple(int(d) for d in dims)
+
+
+def _dtype(dtype):
+    """`dtype` as a numeric numpy dtype (object and string dtypes were taken)."""
+    dt = np.dtype(dtype)
+    if dt.kind not in "biuf":
+        raise TypeError(f"dtype: expected a numeric dtype, got {dt}")
+    return dt
 
 
 def _shape_matches(want, shape):
