@@ -112,10 +112,19 @@ class DeviceArray:
         return self
 
     def close(self):
-        """Free the buffer if this array owns it (arrays returned by ops do)."""
+        """Free the buffer if this array owns it (arrays returned by ops do, and DeviceArray.empty / from_numpy's)."""
         if self._owned and self.buffer is not None and not self.buffer.closed and not self._device.closed:
             self.buffer.close()  # (a closed device already gave all its memory back)
         self._closed = True
+
+    def __del__(self):
+        # An owned array dropped without close() gives its memory back (it stayed allocated until the device
+        # closed: a decode loop taking out="device" arrays and dropping them ran the device out of memory).
+        try:
+            if self._owned and not self._closed:
+                self.close()
+        except Exception:  # (at interpreter exit, or a failure nobody could handle in a finalizer)
+            pass
 
     def __enter__(self):
         return self
