@@ -285,7 +285,8 @@ def test_oversized_batch_is_rejected_without_allocating(dev, tiny_layer):
     L = tiny_layer
     m = 70_000  # top_k 2: the stage buffers need 2 * m * 2 * H * 2 bytes, more than lavapipe's 128 MiB range
     limit = dev.limits.maxStorageBufferRange
-    assert 4 * m * 2 * L.hidden_size > limit, "pick a larger m for this device"
+    if 4 * m * 2 * L.hidden_size <= limit:  # (a GPU's 4 GB range: the batch would need host arrays of gigabytes)
+        pytest.skip(f"this device's maxStorageBufferRange ({limit}) holds the test's batch")
     x = np.ones((m, L.hidden_size), np.float16)
     ids = np.tile(np.array([[1, 2]]), (m, 1))
     w = np.full((m, 2), 0.5, np.float16)
@@ -623,9 +624,11 @@ def test_linear_with_varying_batch_sizes_keeps_its_caches_bounded(dev, tiny_laye
 
 
 # ----------------------------------------------------------------- 6: persistent launches that cannot run
-def test_grid_beyond_the_dispatch_limit_runs_split():
+def test_grid_beyond_the_dispatch_limit_runs_split(dev):
     """A forced grid above maxComputeWorkGroupCount[0]: the plan refuses it, the call runs split (correct, with
     the reason in last_run) and no recorder of the failed attempt is left on the device."""
+    if dev.limits.maxComputeWorkGroupCount[0] >= 70000:  # (lavapipe: 65535; NVIDIA: 2^31 - 1)
+        pytest.skip("the forced grid of 70000 is within this device's maxComputeWorkGroupCount[0]")
     result = _run_script("""
         from goldens import rel_rms
         from vkmoe.exl3 import reference
@@ -656,17 +659,20 @@ def test_cached_grid_beyond_the_dispatch_limit_is_refused(device, fresh_cache, m
     monkeypatch.delenv("VKMOE_PERSISTENT_GRID", raising=False)
     monkeypatch.delenv("VKMOE_PERSISTENT_WG_PER_CU", raising=False)
     plan = moe_plan(device, 4, 2, 8, 256, 128, True)
-    measured = {"min": 10 ** 9, "median": 10 ** 9, "samples": [10 ** 9], "launched": 10 ** 9}
+    big = device.limits.maxComputeWorkGroupCount[0] + 1  # (lavapipe 65535, NVIDIA 2^31 - 1)
+    measured = {"min": big, "median": big, "samples": [big], "launched": big}
     p = persistent_plan(device, plan, 8, 256, 128, True, measured)
     assert not p.allowed and not p.trusted and "maxComputeWorkGroupCount" in p.reason
     d = decide(device, plan, "persistent", 8, 256, 128, True, lambda: measured)
     assert d.mode == "split" and "maxComputeWorkGroupCount" in d.reason
 
 
-def test_first_run_may_include_the_drivers_shader_compile():
+def test_first_run_may_include_the_drivers_shader_compile(dev):
     """lavapipe compiles a pipeline at its first dispatch (seconds with a cold shader cache); that must not count
     against VKMOE_TIMEOUT, which later calls still get. A first process measures the persistent pipeline's
     co-residency (cached), a second one with Mesa's shader cache off and a 0.25 s timeout runs both paths."""
+    if not dev.is_lavapipe:
+        pytest.skip("this driver compiles at pipeline creation, not at the first dispatch")
     _assert_closed_error(_run_script("""
         dev = vkmoe.Device()
         with vkmoe.Exl3MoeMlp(dev, L.gate, L.up, L.down, activation="silu") as moe:

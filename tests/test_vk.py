@@ -773,7 +773,7 @@ r1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 print((r1 - r0) // 1024)
 """
     out = subprocess.run([sys.executable, "-c", code, SAXPY], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, PYTHONPATH=ROOT))
+                         env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (ROOT, os.environ.get("PYTHONPATH"))))))
     assert out.returncode == 0, out.stderr[-2000:]
     grown_mib = int(out.stdout.strip().splitlines()[-1])
     assert grown_mib < 64, f"RSS grew {grown_mib} MiB over 200 device cycles"
