@@ -85,6 +85,22 @@ def _check_timeout(timeout):
         raise ValueError(f"timeout: expected a number of seconds >= 0 or None, got {timeout!r}")
 
 
+def wait_fences(device, fences, seconds):
+    """Whether `fences` (a cffi VkFence[1] of `device`) signalled within `seconds`, waited for in slices of at
+    most 0.25 s (Ctrl-C stays responsive); VulkanError if the wait fails (a lost device). The caller holds the
+    device (device.use())."""
+    deadline = time.monotonic() + seconds
+    left = max(0.0, seconds)
+    while True:
+        result = vk.lib.vkWaitForFences(device.handle, 1, fences, vk.VK_TRUE, int(min(left, 0.25) * 1e9))
+        if result == vk.VK_SUCCESS:
+            return True
+        check("vkWaitForFences", result, ok=(vk.VK_TIMEOUT,))
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+
+
 def check_buffer(name, buf, device):
     """`buf` (the argument `name`) an open vkmoe Buffer of `device`: TypeError / VkmoeError / ValueError naming it.
     Duck-typed: vk.memory imports this module, so no isinstance on its Buffer. (vkmoe.ops.record_args checks the
@@ -521,27 +537,16 @@ class CommandRecorder:
         timeout = knobs.get("VKMOE_TIMEOUT") if timeout is None else float(timeout)
         if compiling:
             timeout = max(timeout, COMPILE_TIMEOUT_S)
-        deadline = time.monotonic() + timeout
-        left = max(0.0, timeout)
-        while True:
-            # Short slices keep Ctrl-C responsive; the total is bounded by `timeout`.
-            result = vk.lib.vkWaitForFences(self.device.handle, 1, self._fences, vk.VK_TRUE,
-                                            int(min(left, 0.25) * 1e9))
-            if result == vk.VK_SUCCESS:
-                self._ran()
-                return
-            check("vkWaitForFences", result, ok=(vk.VK_TIMEOUT,))
-            left = deadline - time.monotonic()
-            if left <= 0 and default_timeout and self._behind_a_compile():
+        while not wait_fences(self.device, self._fences, timeout):
+            if default_timeout and self._behind_a_compile():
                 # Queued behind another recorder's first run that may still be compiling (another thread's new
                 # recording on lavapipe): this submission has not started; give it its own time once that is done.
-                deadline, left = time.monotonic() + timeout, timeout
                 continue
-            if left <= 0:
-                what = ("the first run of a newly recorded command buffer (which may include the driver's shader "
-                        "compile)" if compiling else "the GPU")
-                raise TimeoutError(f"{what} did not finish within {timeout:g} s; the device may be hung and "
-                                   "should be recreated")
+            what = ("the first run of a newly recorded command buffer (which may include the driver's shader "
+                    "compile)" if compiling else "the GPU")
+            raise TimeoutError(f"{what} did not finish within {timeout:g} s; the device may be hung and should be "
+                               "recreated")
+        self._ran()
 
     def _behind_a_compile(self):
         """Whether a first run that was on the queue ahead of this submission is still running within its compile

@@ -16,12 +16,12 @@ device) free() runs later, at a release() after that fence signals or at the dev
 vkDeviceWaitIdle). Nothing is waited for when no recording in flight uses the object: the usual close costs a
 scan of the device's recorders."""
 import threading
-import time
 
 import vulkan as vk
 
 from .. import knobs
-from .errors import DeviceClosedError, TimeoutError, VkmoeError, check
+from .commands import wait_fences
+from .errors import DeviceClosedError, TimeoutError, VkmoeError, call
 
 ffi = vk.ffi
 
@@ -113,7 +113,8 @@ class InFlight:
         dev = self.device
         try:
             with dev.use():
-                fence = _new_fence(dev)
+                fence = call("vkCreateFence", vk.vkCreateFence, dev.handle,
+                             vk.VkFenceCreateInfo(sType=vk.VK_STRUCTURE_TYPE_FENCE_CREATE_INFO), None)
                 with dev._lock:
                     result = vk.lib.vkQueueSubmit(dev.queue, 0, ffi.NULL, fence)
                 if result != vk.VK_SUCCESS:
@@ -124,23 +125,16 @@ class InFlight:
             return None
 
     def _wait(self, fence):
-        """Whether `fence` signalled within VKMOE_TIMEOUT (slices: Ctrl-C stays responsive); it is destroyed if so
-        (under the same device hold: a concurrent Device.close() cannot come between)."""
+        """Whether `fence` signalled within VKMOE_TIMEOUT; it is destroyed if so (under the same device hold: a
+        concurrent Device.close() cannot come between)."""
         dev = self.device
-        fences = ffi.new("VkFence[1]", [fence])
-        deadline = time.monotonic() + knobs.get("VKMOE_TIMEOUT")
         try:
             with dev.use():
-                while True:
-                    left = deadline - time.monotonic()
-                    result = vk.lib.vkWaitForFences(dev.handle, 1, fences, vk.VK_TRUE,
-                                                    int(max(0.0, min(left, 0.25)) * 1e9))
-                    if result == vk.VK_SUCCESS:
-                        vk.vkDestroyFence(dev.handle, fence, None)
-                        return True
-                    if result != vk.VK_TIMEOUT or left <= 0:
-                        return False
-        except VkmoeError:  # the device is closing: its close destroys the fence and runs the free
+                if not wait_fences(dev, ffi.new("VkFence[1]", [fence]), knobs.get("VKMOE_TIMEOUT")):
+                    return False
+                vk.vkDestroyFence(dev.handle, fence, None)
+                return True
+        except VkmoeError:  # closing (its close destroys the fence and runs the free) or lost
             return False
 
     def _sweep(self):
@@ -184,10 +178,3 @@ def _submitted_unwaited(rec):
     carrier = rec._riding_on
     return rec._pending or (carrier is not None and carrier._pending)
 
-
-def _new_fence(dev):
-    """A new unsignalled fence of `dev` (VkmoeError if the driver refuses)."""
-    out = ffi.new("VkFence*")
-    info = ffi.new("VkFenceCreateInfo*", {"sType": vk.VK_STRUCTURE_TYPE_FENCE_CREATE_INFO})
-    check("vkCreateFence", vk.lib.vkCreateFence(dev.handle, info, ffi.NULL, out))
-    return out[0]
