@@ -582,9 +582,9 @@ class CommandRecorder:
         self._spin_next = self._next_spin()
 
     def _next_spin(self):
-        spin = self._spin_base
-        if self._adaptive_spin and spin > 0 and RUN_SPIN_FACTOR * self._run_s > spin:
-            spin = min(MAX_SPIN_S, math.ceil(RUN_SPIN_FACTOR * self._run_s / SPIN_STEP_S) * SPIN_STEP_S)
+        spin, longer = self._spin_base, RUN_SPIN_FACTOR * self._run_s
+        if self._adaptive_spin and spin > 0 and longer > spin:
+            spin = min(MAX_SPIN_S, math.ceil(longer / SPIN_STEP_S) * SPIN_STEP_S)
         return spin
 
     def _ran(self):
