@@ -640,3 +640,62 @@ def test_out_that_shares_memory_with_an_input_is_refused(device, ops, blocks, la
         with DeviceArray.empty(device, (m, H), np.float32) as od:
             for _ in range(2):
                 assert np.array_equal(moe(xd, ids, w, out=od).numpy(), want_moe)
+
+
+# ------------------------------------------------------------------- the caller's own unwaited runs
+@pytest.mark.parametrize("case", ["moe input", "moe input bound", "moe output", "linear output bound"])
+def test_an_op_waits_for_the_callers_unwaited_run_on_its_arrays(device, ops, layer, monkeypatch, case):
+    """An op called with a DeviceArray that the caller's own submit(wait=False) still writes (its input) or reads
+    (the op's output) did not wait for that run: the op's submission has no barrier ahead of it, so a GPU may run
+    it beside the caller's. Now the op waits for such a run first. Here the caller's run is a spin and then a copy
+    (into the input, or out of the output); the op's submission must find that run over, its result must be that
+    of the input's new contents, and the caller's copy must hold the output's contents from before the op."""
+    from spin import SpinRun, fence_signalled, skip_if_over
+    from vkmoe.vk import CommandRecorder
+
+    moe, lin1, _ = ops
+    op = moe if case.startswith("moe") else lin1
+    call = layer.calls[0]
+    x, ids, w = call["x"], call["selected"], call["weights"]
+    x_new = (x.astype(np.float32) * 0.5).astype(np.float16)
+    run = (lambda h, **kw: op(h, ids, w, **kw)) if op is moe else op
+    expect_old, expect_new = run(x), run(x_new)
+    assert not np.array_equal(expect_old, expect_new)
+    out_shape, out_dtype = expect_old.shape, expect_old.dtype
+    # (a CPU driver runs the spin for a while; a GPU needs far more of it to be still running at the op's call)
+    groups, iterations = (64, 5000) if device.device_type == "cpu" else (1024, 400000)
+    with SpinRun(device, groups, iterations) as spin, DeviceArray.from_numpy(device, x) as xd, \
+            DeviceArray.from_numpy(device, x_new) as fresh, DeviceArray.empty(device, out_shape, out_dtype) as outd, \
+            DeviceArray.empty(device, out_shape, out_dtype) as seen_out, CommandRecorder(device) as caller:
+        if case.endswith("bound"):  # a second call with the same arrays: bound in the recording, no copies
+            for _ in range(2):
+                run(xd, out=outd)
+        outd.buffer.upload(np.full(out_shape, 3.0, out_dtype))
+        caller.begin()
+        caller.barrier()  # (after the spin riding ahead of it in the same submission)
+        if case.endswith(("input", "input bound")):
+            caller.copy(fresh.buffer, xd.buffer, xd.nbytes)
+        else:
+            caller.copy(outd.buffer, seen_out.buffer, outd.nbytes)
+        caller.end()
+        at_submit = []
+        prepare = CommandRecorder._prepare_submit
+
+        def noting(self, *args):
+            if self is not caller and self is not spin.rec:
+                at_submit.append(fence_signalled(caller))
+            return prepare(self, *args)
+
+        monkeypatch.setattr(CommandRecorder, "_prepare_submit", noting)
+        caller.submit(wait=False, before=[spin.rec])
+        skip_if_over(caller, "the op's call")
+        if "input" in case:
+            got = run(xd)
+            assert np.array_equal(got, expect_new)
+        else:
+            assert run(xd, out=outd) is outd
+            assert np.array_equal(outd.numpy(), expect_old)
+            assert (seen_out.numpy() == 3.0).all()
+        assert at_submit and all(at_submit), at_submit
+        monkeypatch.undo()
+        caller.wait()

@@ -48,6 +48,9 @@ class RecordedCall:
         anything is written or submitted: the Python path runs it, the native path checks the inputs' rules in C
         instead and runs it only where C cannot decide (NativeCall.run)."""
         on_device = DeviceArray in map(type, arrays)
+        if (on_device or target is not None) and self.rec.device.in_flight.has_unwaited:
+            self.rec.device.in_flight.wait_for_unwaited(
+                [a.buffer for a in (*arrays, target) if isinstance(a, DeviceArray)])
         copies_in = [(a.buffer, spec[0], a.nbytes) for i, (a, spec) in enumerate(zip(arrays, self.inputs))
                      if isinstance(a, DeviceArray) and i not in self.bound_inputs] if on_device else ()
         copies_out = [(self.output[0], target.buffer, target.nbytes)] \

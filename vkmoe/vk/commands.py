@@ -418,6 +418,8 @@ class CommandRecorder:
             self._submitted(riders)
         if wait:
             self._wait(timeout)
+        else:  # (an op later called with an array this run uses waits for it: InFlight.wait_for_unwaited)
+            dev.in_flight.note_unwaited(self)
         return self
 
     def begin_native(self, call, convs, checks, sources, before=(), after=()):

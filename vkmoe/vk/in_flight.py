@@ -37,6 +37,9 @@ class InFlight:
         # closing its buffers) may come back on this thread; every section leaves the state consistent for that.
         self._lock = threading.RLock()
         self._closed = False  # the device's close ran the deferred frees: from now on free() runs at once
+        # The recorders a caller submitted with submit(wait=False) (pruned once seen waited): while none may still
+        # run, an op call's check (wait_for_unwaited) costs one truth test.
+        self._unwaited = set()
 
     def add(self, recorder):
         with self._lock:
@@ -45,6 +48,31 @@ class InFlight:
     def discard(self, recorder):
         with self._lock:
             self._recorders.discard(recorder)
+            self._unwaited.discard(recorder)
+
+    def note_unwaited(self, recorder):
+        """`recorder` was submitted and its submit() returned without waiting (submit(wait=False))."""
+        with self._lock:
+            self._unwaited.add(recorder)
+
+    @property
+    def has_unwaited(self):
+        """Whether a caller's submit(wait=False) may still run (wait_for_unwaited has work to do)."""
+        return bool(self._unwaited)
+
+    def wait_for_unwaited(self, objs):
+        """An op call's inputs and output: return once no submission that a caller made with submit(wait=False)
+        and that may use one of `objs` (e.g. a chain writing the DeviceArray passed as the op's input) is on the
+        queue. The op's own submission reads and writes them from its first command on, with no barrier ahead of it
+        (a GPU may start it beside the caller's run). Costs one truth test when no such submission was made."""
+        if not self._unwaited:
+            return
+        with self._lock:
+            self._unwaited = {r for r in self._unwaited if _submitted_unwaited(r)}
+            if not self._unwaited:
+                return
+        for obj in objs:
+            self.wait_for(obj)
 
     def release(self, obj, free, what):
         """Run free() for `obj` (the caller marked it closed already) once no run on the queue may use it;
