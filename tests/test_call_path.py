@@ -697,5 +697,7 @@ def test_an_op_waits_for_the_callers_unwaited_run_on_its_arrays(device, ops, lay
             assert np.array_equal(outd.numpy(), expect_old)
             assert (seen_out.numpy() == 3.0).all()
         assert at_submit and all(at_submit), at_submit
+        # the op's wait saw the caller's run end: later calls no longer look for it (the caller never waited)
+        assert not device.in_flight.has_unwaited
         monkeypatch.undo()
         caller.wait()

@@ -787,3 +787,34 @@ def test_failed_pipeline_creation_leaks_nothing():
         Pipeline(dev, SAXPY, push=SaxpyPush, spec={7: 1})
     dev.close()
     assert dev.take_validation_messages() == []
+
+
+@pytest.mark.parametrize("what", ["upload", "download"])
+def test_buffer_upload_and_download_wait_for_an_unwaited_run_that_uses_the_buffer(dev, what):
+    """Buffer.upload() under a run of the caller's submit(wait=False) that reads the buffer changed what the run
+    read, and download() under a run that writes it returned the contents from before: both wait for such a run
+    first. The run here is a spin and then a copy from (upload) or into (download) the buffer."""
+    n = 4096
+    old, new = np.arange(n, dtype=np.uint32), np.arange(n, dtype=np.uint32)[::-1] * 3
+    groups, iterations = (64, 5000) if dev.device_type == "cpu" else (1024, 400000)
+    with SpinRun(dev, groups, iterations) as spin, dev.memory.allocate(4 * n) as buf, \
+            dev.memory.allocate(4 * n) as other, CommandRecorder(dev) as rec:
+        buf.upload(old)
+        other.upload(new if what == "download" else np.zeros(n, np.uint32))
+        rec.begin()
+        rec.barrier()  # (after the spin riding ahead of it)
+        if what == "upload":
+            rec.copy(buf, other, 4 * n)  # the run reads buf: it must see `old`
+        else:
+            rec.copy(other, buf, 4 * n)  # the run writes buf: download() must see `new`
+        rec.end()
+        rec.submit(wait=False, before=[spin.rec])
+        skip_if_over(rec, f"the {what}")
+        if what == "upload":
+            buf.upload(new)
+            assert fence_signalled(rec)
+            assert np.array_equal(other.download(np.uint32), old)
+            assert np.array_equal(buf.download(np.uint32), new)
+        else:
+            assert np.array_equal(buf.download(np.uint32), new)
+        rec.wait()

@@ -419,7 +419,7 @@ class CommandRecorder:
         if wait:
             self._wait(timeout)
         else:  # (an op later called with an array this run uses waits for it: InFlight.wait_for_unwaited)
-            dev.in_flight.note_unwaited(self)
+            dev.in_flight.note_unwaited(self, riders)
         return self
 
     def begin_native(self, call, convs, checks, sources, before=(), after=()):

@@ -37,9 +37,10 @@ class InFlight:
         # closing its buffers) may come back on this thread; every section leaves the state consistent for that.
         self._lock = threading.RLock()
         self._closed = False  # the device's close ran the deferred frees: from now on free() runs at once
-        # The recorders a caller submitted with submit(wait=False) (pruned once seen waited): while none may still
-        # run, an op call's check (wait_for_unwaited) costs one truth test.
-        self._unwaited = set()
+        # The caller's submit(wait=False) submissions that may still run: submitting recorder -> (its submission
+        # count then, the recorders of that submission: it and its riders). An op call's check (wait_for_unwaited)
+        # costs one truth test while there are none, and a look at these few recorders' uses otherwise.
+        self._unwaited = {}
 
     def add(self, recorder):
         with self._lock:
@@ -48,12 +49,12 @@ class InFlight:
     def discard(self, recorder):
         with self._lock:
             self._recorders.discard(recorder)
-            self._unwaited.discard(recorder)
+            self._unwaited.pop(recorder, None)
 
-    def note_unwaited(self, recorder):
-        """`recorder` was submitted and its submit() returned without waiting (submit(wait=False))."""
+    def note_unwaited(self, recorder, riders=()):
+        """`recorder` was submitted (with `riders`) and its submit() returned without waiting (submit(wait=False))."""
         with self._lock:
-            self._unwaited.add(recorder)
+            self._unwaited[recorder] = (recorder.submissions, (recorder, *(r for r in riders if r is not None)))
 
     @property
     def has_unwaited(self):
@@ -61,18 +62,25 @@ class InFlight:
         return bool(self._unwaited)
 
     def wait_for_unwaited(self, objs):
-        """An op call's inputs and output: return once no submission that a caller made with submit(wait=False)
-        and that may use one of `objs` (e.g. a chain writing the DeviceArray passed as the op's input) is on the
-        queue. The op's own submission reads and writes them from its first command on, with no barrier ahead of it
-        (a GPU may start it beside the caller's run). Costs one truth test when no such submission was made."""
+        """An op call's arrays, a Buffer's upload or download: return once no submission that the caller made with
+        submit(wait=False) and that uses one of `objs` (e.g. a chain writing the DeviceArray passed as an op's input)
+        may still be on the queue; vkmoe.TimeoutError after VKMOE_TIMEOUT. The op's own submission reads and writes
+        them from its first command on, with no barrier ahead of it (a GPU may start it beside the caller's run),
+        and the host's copies do not wait at all. Costs one truth test when no such submission was made."""
         if not self._unwaited:
             return
         with self._lock:
-            self._unwaited = {r for r in self._unwaited if _submitted_unwaited(r)}
-            if not self._unwaited:
-                return
-        for obj in objs:
-            self.wait_for(obj)
+            # (gone: waited for by the owner, or submitted again, which noted it anew if it did not wait)
+            self._unwaited = {r: (n, group) for r, (n, group) in self._unwaited.items()
+                              if r._pending and r.submissions == n}
+            noted = dict(self._unwaited)
+        if not any(obj in u._uses for _, group in noted.values() for u in group for obj in objs):
+            return
+        self._wait_for_queue()
+        with self._lock:  # every submission noted before the wait is over
+            for r, entry in noted.items():
+                if self._unwaited.get(r) is entry:
+                    del self._unwaited[r]
 
     def release(self, obj, free, what):
         """Run free() for `obj` (the caller marked it closed already) once no run on the queue may use it;
@@ -100,6 +108,10 @@ class InFlight:
         users, closed = self._users(obj)
         if closed or not any(_submitted_unwaited(r) for r in users):
             return
+        self._wait_for_queue()
+
+    def _wait_for_queue(self):
+        """Return once every submission made so far is over; vkmoe.TimeoutError after VKMOE_TIMEOUT."""
         fence = self._queue_fence()
         if fence is None:
             self.device.check_open()  # (closed: DeviceClosedError; lost: the submission's error was raised)

@@ -165,7 +165,8 @@ class Buffer:
         return view
 
     def upload(self, data, offset=0):
-        """Copy a numpy array (any shape, C order) into the buffer at byte `offset`."""
+        """Copy a numpy array (any shape, C order) into the buffer at byte `offset` (after a run of the caller's
+        submit(wait=False) that uses the buffer: _wait_for_unwaited_runs)."""
         self._check_open()
         if not isinstance(data, np.ndarray):
             raise TypeError(f"upload() expects a numpy array, got {type(data).__name__}")
@@ -174,11 +175,13 @@ class Buffer:
         raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
         if offset < 0 or offset + raw.nbytes > self.size:
             raise ValueError(f"upload of {raw.nbytes} bytes at offset {offset} does not fit a {self.size}-byte buffer")
+        self._wait_for_unwaited_runs()
         with self.device.use():  # a closed device's memory is unmapped: raise instead of writing into it
             self._manager.write(self, offset, raw)
 
     def download(self, dtype=np.uint8, shape=None, offset=0):
-        """Read the buffer (or `shape` elements of `dtype` from byte `offset`) into a new numpy array."""
+        """Read the buffer (or `shape` elements of `dtype` from byte `offset`) into a new numpy array (after a run of
+        the caller's submit(wait=False) that uses the buffer: _wait_for_unwaited_runs)."""
         self._check_open()
         dtype = np.dtype(dtype)
         # math.prod: np.prod costs ~3 us on a small tuple, and a decode call downloads on every call
@@ -186,10 +189,19 @@ class Buffer:
         nbytes = count * dtype.itemsize
         if offset < 0 or offset + nbytes > self.size:
             raise ValueError(f"download of {nbytes} bytes at offset {offset} exceeds the {self.size}-byte buffer")
+        self._wait_for_unwaited_runs()
         with self.device.use():
             raw = self._manager.read(self, offset, nbytes)
         out = raw.view(dtype)
         return out if shape is None else out.reshape(shape)
+
+    def _wait_for_unwaited_runs(self):
+        """upload() and download() first wait for a run of the caller's submit(wait=False) that uses this buffer
+        (vkmoe.TimeoutError past VKMOE_TIMEOUT): writing under it changed what it read, and reading under it gave
+        what it had not written yet. One truth test when there is none."""
+        in_flight = self.device.in_flight
+        if in_flight.has_unwaited:
+            in_flight.wait_for_unwaited((self,))
 
     def close(self):
         """Closed for use at once; the memory is given back once no run on the queue uses it (vk.in_flight)."""
