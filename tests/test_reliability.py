@@ -513,8 +513,13 @@ def _safetensors_bytes(header):
 
 
 def test_malformed_model_directories_raise_checkpoint_error(tmp_path):
+    import json
+
     from vkmoe.exl3 import CheckpointError
     from vkmoe.models.checkpoint import Checkpoint
+
+    def entry(dtype, shape, offsets):
+        return _safetensors_bytes({"w": {"dtype": dtype, "shape": shape, "data_offsets": offsets}})
 
     cases = {
         "header-list": {"model.safetensors": _safetensors_bytes([1, 2])},
@@ -523,7 +528,21 @@ def test_malformed_model_directories_raise_checkpoint_error(tmp_path):
         "bad-index-utf8": {"model.safetensors.index.json": b"{\"weight_map\": \"\xff\"}"},
         "index-not-map": {"model.safetensors.index.json": b"{\"weight_map\": 3}"},
         "shard-is-dir": {"model.safetensors/": None},
+        # header entries that were taken: numpy asked for 3.6 TiB (a MemoryError), a negative begin read the
+        # header's own bytes as the tensor, "0", 4.5 and true read as integers, a huge offset overflowed the seek
+        "huge-shape": {"model.safetensors": entry("F32", [10 ** 12], [0, 4])},
+        "negative-begin": {"model.safetensors": entry("U8", [4], [-4, 0])},
+        "string-offsets": {"model.safetensors": entry("U8", [4], ["0", "4"])},
+        "float-shape": {"model.safetensors": entry("U8", [4.5], [0, 4])},
+        "bool-shape": {"model.safetensors": entry("U8", [True], [0, 1])},
+        "huge-offsets": {"model.safetensors": entry("U8", [4], [2 ** 70, 2 ** 70 + 4])},
+        "three-offsets": {"model.safetensors": entry("U8", [4], [0, 4, 8])},
+        # index shards that are not file names of the directory: a TypeError, or a file read outside it
+        "shard-not-a-name": {"model.safetensors.index.json": json.dumps({"weight_map": {"w": 5}}).encode()},
+        "shard-outside": {"model.safetensors.index.json":
+                          json.dumps({"weight_map": {"w": "../outside.safetensors"}}).encode()},
     }
+    (tmp_path / "outside.safetensors").write_bytes(entry("U8", [4], [0, 4]))  # (readable: must still be refused)
     for name, files in cases.items():
         folder = tmp_path / name
         folder.mkdir()

@@ -4,6 +4,7 @@ Exl3MoeMlp.from_safetensors) accepts a model directory; vkmoe.models re-exports 
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 
@@ -17,6 +18,7 @@ INDEX_NAME = "model.safetensors.index.json"
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I64": np.int64,
            "I32": np.int32, "I16": np.int16, "I8": np.int8, "U64": np.uint64, "U32": np.uint32, "U16": np.uint16,
            "U8": np.uint8, "BOOL": np.bool_}
+MAX_FILE_BYTES = 2 ** 62  # beyond any file (a larger offset overflowed the seek: a ValueError, not a CheckpointError)
 
 
 class _SafetensorsFile:
@@ -50,20 +52,11 @@ class _SafetensorsFile:
         return self.header.keys()
 
     def read(self, key) -> np.ndarray:
-        info = self.header[key]
-        try:
-            dtype = info["dtype"]
-            if dtype not in _DTYPES:
-                raise CheckpointError(f"{self.path}: tensor {key} has unsupported dtype {dtype}")
-            begin, end = (int(v) for v in info["data_offsets"])
-            shape = tuple(int(v) for v in info["shape"])
-            out = np.empty(shape, dtype=_DTYPES[dtype])
-        except (KeyError, TypeError, ValueError) as exc:
-            if isinstance(exc, CheckpointError):
-                raise
-            raise CheckpointError(f"{self.path}: malformed header entry for tensor {key} ({exc!r})") from None
-        if out.nbytes != end - begin:
+        dtype, shape, begin, end = self._entry(key)
+        nbytes = math.prod(shape) * np.dtype(_DTYPES[dtype]).itemsize
+        if nbytes != end - begin:  # (before allocating: a bad shape asked numpy for terabytes)
             raise CheckpointError(f"{self.path}: tensor {key}: {end - begin} bytes stored for {dtype}{list(shape)}")
+        out = np.empty(shape, dtype=_DTYPES[dtype])
         with open(self.path, "rb") as f:
             f.seek(self.data_start + begin)
             if f.readinto(memoryview(out.reshape(-1)).cast("B")) != out.nbytes:
@@ -71,6 +64,28 @@ class _SafetensorsFile:
         if dtype == "BF16":
             out = (out.astype(np.uint32) << 16).view(np.float32)
         return out
+
+    def _entry(self, key):
+        """(dtype, shape, begin, end) of a tensor's header entry, every field checked: integers (not "4", 4.5 or
+        true), a shape of sizes >= 0, offsets 0 <= begin <= end within the file's size limit. A negative begin read
+        the header's own bytes as the tensor."""
+        info = self.header[key]
+        bad = lambda what: CheckpointError(f"{self.path}: malformed header entry for tensor {key}: {what}")  # noqa: E731
+        if not isinstance(info, dict):
+            raise bad(f"expected an object, got {type(info).__name__}")
+        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if not isinstance(dtype, str) or dtype not in _DTYPES:
+            raise CheckpointError(f"{self.path}: tensor {key} has unsupported dtype {dtype!r}")
+        if not isinstance(shape, list) or not all(_is_int(v) and v >= 0 for v in shape):
+            raise bad(f"shape must be a list of integers >= 0, got {shape!r}")
+        if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(v) for v in offsets) \
+                or not 0 <= offsets[0] <= offsets[1] <= MAX_FILE_BYTES:
+            raise bad(f"data_offsets must be [begin, end] with 0 <= begin <= end, got {offsets!r}")
+        return dtype, tuple(shape), offsets[0], offsets[1]
+
+
+def _is_int(v):
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 class Checkpoint:
@@ -93,6 +108,10 @@ class Checkpoint:
             except (json.JSONDecodeError, KeyError, TypeError, ValueError, OSError) as exc:
                 raise CheckpointError(f"{index}: not a safetensors index (needs a 'weight_map'): {exc}") from None
             for key, fname in weight_map.items():
+                # a shard is a file name in this directory ("../x" or "/etc/..." read files outside it)
+                if not isinstance(fname, str) or not fname or os.path.basename(fname) != fname or fname in (".", ".."):
+                    raise CheckpointError(f"{index}: the shard of {key} must be a file name in {self.path}, got "
+                                          f"{fname!r}")
                 fpath = os.path.join(self.path, fname)
                 if fname not in self._files:
                     if not os.path.exists(fpath):
