@@ -41,6 +41,9 @@ def test_valid_tensor_attributes():
     (dict(codebook=None), ValueError, "codebook"),
     (dict(bias=np.ones(128, np.float16)), ValueError, "bias"),
     (dict(bias=np.ones(256, np.int32)), TypeError, "bias"),
+    # a NaN bias, or a float32 one beyond float16's range (Inf once stored), was taken
+    (dict(bias=np.full(256, np.nan, np.float16)), ValueError, "bias: expected finite values.*NaN/Inf"),
+    (dict(bias=np.full(256, 1e6, np.float32)), ValueError, "bias: expected finite values.*beyond it"),
 ])
 def test_validation_errors(kwargs, exc, match):
     tr, suh, svh = _parts()

@@ -69,7 +69,12 @@ class Exl3Tensor:
                 raise TypeError(f"bias: expected float16 or float32, got dtype {b.dtype}")
             if b.ndim != 1 or b.shape[0] != n:
                 raise ValueError(f"bias: expected shape ({n},) (n = output features), got {b.shape}")
-            self.bias = _frozen_copy(b.astype(np.float16))
+            with np.errstate(over="ignore"):  # (refused below, with a message of ours)
+                b16 = b.astype(np.float16)
+            if not np.all(np.isfinite(b16)):  # (as suh and svh; float32 beyond float16's range rounds to Inf)
+                raise ValueError("bias: expected finite values within float16's range (|b| <= 65504), found "
+                                 + ("NaN/Inf" if not np.all(np.isfinite(b)) else "values beyond it"))
+            self.bias = _frozen_copy(b16)
         self._cache = {}
 
     @property
