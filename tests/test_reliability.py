@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -995,3 +996,70 @@ def test_an_argument_of_a_second_device_object_of_the_same_gpu_says_so(dev, tiny
     err = foreign_device_error("x", "Buffer", "<vkmoe.Device 1: B>", "<vkmoe.Device 0: A>")
     assert str(err) == "x is a Buffer of another vkmoe.Device ('<vkmoe.Device 1: B>'); this op runs on '<vkmoe.Device 0: A>'"
     assert not dev.take_validation_messages()
+
+
+# ------------------------------------------------------------------------------------------- fork()
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork() on this platform")
+def test_a_forked_child_gets_a_clear_error_and_can_open_its_own_device(tiny_layer):
+    """Vulkan objects do not survive fork(). A child's call on the parent's device waited VKMOE_TIMEOUT (60 s) for a
+    submission lavapipe never ran, then blamed the GPU, and a new Device in the child hung the same way (it reused
+    the parent's VkInstance). Now the parent's objects raise DeviceClosedError at once saying why, closing them
+    touches no handle of the parent's, a new Device in the child works, and the parent carries on unharmed."""
+    import json
+
+    from vkmoe.ops.device_array import DeviceArray
+    from vkmoe.vk import CommandRecorder, DeviceClosedError
+
+    L, c = tiny_layer, tiny_layer.calls[0]
+    x, ids, w = c["x"], c["selected"], c["weights"]
+    d = vkmoe.Device()
+    moe = vkmoe.Exl3MoeMlp(d, L.gate, L.up, L.down, activation="silu", dispatch="split")
+    expect = moe(x, ids, w)
+    xd = DeviceArray.from_numpy(d, x)
+    rec = CommandRecorder(d)
+    rec.begin()
+    rec.fill(xd.buffer, 0, nbytes=4)
+    rec.end()
+    rec.submit(wait=False)  # (still noted as unwaited at the fork)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report through the pipe, never return into pytest
+        report = {}
+        try:
+            t0 = time.monotonic()
+            try:
+                moe(x, ids, w)
+            except DeviceClosedError as exc:
+                report["error"] = str(exc)
+            report["seconds"] = time.monotonic() - t0
+            for thing in (rec, xd, moe, d):  # the parent's: closing them must not touch its handles
+                thing.close()
+            with vkmoe.Device() as d2, vkmoe.Exl3MoeMlp(d2, L.gate, L.up, L.down, activation="silu",
+                                                        dispatch="split") as moe2:
+                report["own_device"] = bool(np.array_equal(moe2(x, ids, w), expect))
+        except BaseException as exc:
+            report["unexpected"] = repr(exc)
+        os.write(write, json.dumps(report).encode())
+        os._exit(0)
+    os.close(write)
+    import select
+    import signal
+
+    ready, _, _ = select.select([read], [], [], 120)  # (a child that hangs, as before the fix, is killed)
+    if not ready:
+        os.kill(pid, signal.SIGKILL)
+    with os.fdopen(read) as f:
+        report = json.loads(f.read() or "{}") if ready else {"unexpected": "the child hung for 120 s"}
+    _, status = os.waitpid(pid, 0)
+    assert "unexpected" not in report, report
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    assert "forked from" in report.get("error", "") and "fork()" in report["error"], report
+    assert report["seconds"] < 5, report
+    assert report["own_device"] is True, report
+    # the parent's device, layer, array and recorder are untouched by the child's closes
+    rec.wait()
+    assert np.array_equal(moe(xd, ids, w), moe(x * np.float16(0) + xd.numpy(), ids, w))
+    assert np.array_equal(moe(x, ids, w), expect)
+    rec.close(), xd.close(), moe.close()
+    assert not d.take_validation_messages()
+    d.close()

@@ -687,6 +687,9 @@ class CommandRecorder:
                 self._closing = False
 
     def _close_locked(self):
+        if not self.device._handle_alive:  # the device is gone (it freed these), or its handles are a fork() parent's
+            self._forget()
+            return
         if self._pending:
             try:
                 self.wait()
@@ -703,7 +706,11 @@ class CommandRecorder:
         vk.vkDestroyFence(h, self._fence, None)
         vk.vkFreeCommandBuffers(h, self._pool, 1, [self.handle])
         vk.vkDestroyCommandPool(h, self._pool, None)
+        self._forget()
+
+    def _forget(self):
         self.handle = None
+        self._pending = False
         self._keep = []
         self._uses = set()
         self.device.in_flight.discard(self)

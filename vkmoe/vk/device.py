@@ -4,6 +4,7 @@ import functools
 import logging
 import os
 import threading
+import weakref
 
 import vulkan as vk
 
@@ -237,6 +238,28 @@ def expect_device(value, name="device"):
     return value
 
 
+# Every Device opened in this process: a child process after fork() marks them closed at once (_after_fork_in_child).
+_open_devices = weakref.WeakSet()
+
+
+def _after_fork_in_child():
+    """Vulkan objects do not survive fork(): the driver's threads and state stay in the parent (lavapipe's queue
+    never ran a submission of the child's copy, which timed out after VKMOE_TIMEOUT; a GPU's state is the
+    parent's). So in the child every Device of the parent is closed for use, with an error that says why, and
+    nothing is destroyed through its handles (they are the parent's). A new Device makes its own instance (one on
+    the parent's instance never ran a submission on lavapipe either)."""
+    parent = os.getppid()
+    for device in list(_open_devices):
+        device._left_by_fork(parent)
+    _open_devices.clear()
+    _Instance._lock = threading.Lock()  # (another thread of the parent may have held it)
+    _Instance._instances.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class Device:
     """A logical Vulkan device with one compute queue.
 
@@ -252,7 +275,8 @@ class Device:
 
     def __init__(self, selector: "int | str | None" = None, pipeline_statistics: "bool | None" = None):
         self._closed = True
-        self._handle_alive = False
+        self._handle_alive = False  # False once the VkDevice is destroyed (or left to the parent after a fork)
+        self._forked_from = None  # the parent's pid, in a child process after fork(): check_open says so
         # Calls into the driver in progress (`use()`: one entry per block); close() waits for them, so another
         # thread's forward ends with DeviceClosedError instead of touching destroyed objects.
         self._holds = []
@@ -291,6 +315,7 @@ class Device:
 
         self.memory = MemoryManager(self)
         self._quirks = None
+        _open_devices.add(self)
 
     # ----------------------------------------------------------------------------------------- capabilities
     def _query_capabilities(self):
@@ -592,7 +617,25 @@ class Device:
     def check_open(self):
         """Raise DeviceClosedError naming this device if close() has been called."""
         if self._closed:
+            if self._forked_from is not None:
+                raise DeviceClosedError(
+                    f"{self!r} was opened by process {self._forked_from}, which this process was forked from: Vulkan "
+                    "objects do not survive fork(). Open a new vkmoe.Device in this process (or start it with "
+                    "multiprocessing's 'spawn' method)")
             raise DeviceClosedError(f"{self!r} is closed; objects made from it cannot be used (open a new vkmoe.Device)")
+
+    def _left_by_fork(self, parent):
+        """This process is a fork() child of the one that opened the device (_after_fork_in_child): closed for use,
+        its handles never touched again (every close and free here looks at _handle_alive), and fresh locks (a
+        thread of the parent, absent here, may have held one at the fork)."""
+        self._forked_from = parent
+        self._closed = True
+        self._handle_alive = False
+        self._holds = []
+        self._idle = threading.Condition()
+        self._lock = threading.RLock()
+        self.in_flight.after_fork()
+        self.memory.after_fork()
 
     def use(self):
         """Hold the device open for the calls into the driver inside a `with` block: close() waits until no block

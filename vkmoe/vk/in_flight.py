@@ -42,6 +42,12 @@ class InFlight:
         # costs one truth test while there are none, and a look at these few recorders' uses otherwise.
         self._unwaited = {}
 
+    def after_fork(self):
+        """In a fork() child (Device._left_by_fork): a fresh lock, the frees left to the parent."""
+        self._lock = threading.RLock()
+        self._closed = True
+        self._deferred, self._unwaited = [], {}
+
     def add(self, recorder):
         with self._lock:
             self._recorders.add(recorder)

@@ -93,6 +93,8 @@ class _Block:
         return self.free == [(0, self.size)]
 
     def destroy(self):
+        if not self.device._handle_alive:  # (the device is gone, or its handles are a fork() parent's)
+            return
         h = self.device.handle
         if self.pointer is not None:
             vk.vkUnmapMemory(h, self.memory)
@@ -340,6 +342,11 @@ class MemoryManager:
                 b.close()
             raise
         return done
+
+    def after_fork(self):
+        """In a fork() child (Device._left_by_fork): a fresh lock (a thread of the parent may have held it)."""
+        self._lock = threading.RLock()
+        self._busy, self._deferred = False, []
 
     def release(self, buf):
         with self._lock:

@@ -137,6 +137,9 @@ class Pipeline:
         self._create_pipeline(required_subgroup_size)
 
     def _destroy_objects(self):
+        if not self.device._handle_alive:  # (the device is gone, or its handles are a fork() parent's)
+            self.handle = self.layout = self.set_layout = self._module = None
+            return
         h = self.device.handle
         if self.handle is not None:
             vk.vkDestroyPipeline(h, self.handle, None)
@@ -318,11 +321,11 @@ class _DescriptorPools:
             self._free(entry, handle)
 
     def _free(self, entry, handle):
-        if entry in self.pools:
+        if entry in self.pools and self.device._handle_alive:
             vk.vkFreeDescriptorSets(self.device.handle, entry[0], 1, [handle])
             entry[1] += 1
 
     def close(self):
-        for handle, _ in self.pools:
+        for handle, _ in self.pools if self.device._handle_alive else ():
             vk.vkDestroyDescriptorPool(self.device.handle, handle, None)
         self.pools = []
