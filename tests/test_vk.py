@@ -818,3 +818,26 @@ def test_buffer_upload_and_download_wait_for_an_unwaited_run_that_uses_the_buffe
         else:
             assert np.array_equal(buf.download(np.uint32), new)
         rec.wait()
+
+
+def test_a_run_whose_wait_gave_up_is_still_waited_for_by_reads(dev):
+    """A submission whose wait raised (a timeout, an interrupt) may still run: DeviceArray.numpy() and
+    Buffer.download() of what it writes wait for it as for a submit(wait=False) (they look only at those)."""
+    from vkmoe.ops.device_array import DeviceArray
+
+    n = 4096
+    new = np.arange(n, dtype=np.uint32)[::-1] * 3
+    groups, iterations = (64, 5000) if dev.device_type == "cpu" else (1024, 400000)
+    with SpinRun(dev, groups, iterations) as spin, dev.memory.allocate(4 * n) as src, \
+            DeviceArray.empty(dev, (n,), np.uint32) as arr, CommandRecorder(dev) as rec:
+        src.upload(new)
+        arr.buffer.upload(np.zeros(n, np.uint32))
+        rec.begin()
+        rec.barrier()  # (after the spin riding ahead of it)
+        rec.copy(src, arr.buffer, 4 * n)
+        rec.end()
+        with pytest.raises(vkmoe.TimeoutError):
+            rec.submit(wait=True, timeout=0.001, before=[spin.rec])
+        skip_if_over(rec, "the read")
+        assert np.array_equal(arr.numpy(), new)
+        assert fence_signalled(rec)

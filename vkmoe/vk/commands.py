@@ -208,6 +208,7 @@ class CommandRecorder:
         self._fences = ffi.new("VkFence[1]", [self._fence])
         self._own_info = _submit_info([self.handle])  # a submission of this buffer alone
         self._rider_key = self._rider_info = None  # the last submission with riders: its riders and its info
+        self._last_riders = ()  # the riders of the last submission (None: this buffer's place)
         self._stamp_data = ffi.new("uint64_t[]", max(1, self.timestamp_slots))
         bits = device.timestamp_valid_bits
         self._stamp_mask = (1 << bits) - 1 if bits < 64 else (1 << 64) - 1
@@ -416,11 +417,21 @@ class CommandRecorder:
             check("vkResetFences", vk.lib.vkResetFences(dev.handle, 1, self._fences))
             check("vkQueueSubmit", vk.lib.vkQueueSubmit(dev.queue, 1, info, self._fence))
             self._submitted(riders)
-        if wait:
-            self._wait(timeout)
-        else:  # (an op later called with an array this run uses waits for it: InFlight.wait_for_unwaited)
+        if not wait:  # (an op later called with an array this run uses waits for it: InFlight.wait_for_unwaited)
             dev.in_flight.note_unwaited(self, riders)
+            return self
+        try:
+            self._wait(timeout)
+        except BaseException:
+            self._left_running()
+            raise
         return self
+
+    def _left_running(self):
+        """A wait gave up (a timeout, an interrupt) while the submission may still run: noted as a caller's
+        unwaited one, so that reading or writing what it uses waits for it (InFlight.wait_for_unwaited)."""
+        if self._pending:
+            self.device.in_flight.note_unwaited(self, self._last_riders)
 
     def begin_native(self, call, convs, checks, sources, before=(), after=()):
         """submit_held(wait=True) through the native call path (vkmoe.vk.fastcall.NativeCall `call`, made for
@@ -445,7 +456,11 @@ class CommandRecorder:
         lib, c = call.lib, call.struct
         result = lib.vkn_call_finish(c, out_conv, dst)
         if result == call.PENDING:  # still running after the spin: sleep as submit_held's wait does, then copy
-            self._wait(None, spun=True)
+            try:
+                self._wait(None, spun=True)
+            except BaseException:
+                self._left_running()
+                raise
             result = lib.vkn_call_finish(c, out_conv, dst)
         if result:
             call.raise_error(result)
@@ -507,6 +522,7 @@ class CommandRecorder:
         for r in riders:
             if r is not None:
                 r._riding_on = self
+        self._last_riders = riders
 
     def _wait_for_carrier(self):
         """A buffer submitted with another recorder's submission may be re-recorded only once that finished."""
