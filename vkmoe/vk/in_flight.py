@@ -14,7 +14,11 @@ the queue's work so far (a fence of its own behind an empty submission: it never
 thread owns and may reset or destroy meanwhile), bounded by VKMOE_TIMEOUT; if that runs out (a hung or very busy
 device) free() runs later, at a release() after that fence signals or at the device's close (after
 vkDeviceWaitIdle). Nothing is waited for when no recording in flight uses the object: the usual close costs a
-scan of the device's recorders."""
+scan of the device's recorders.
+
+The host's own reads and writes (Buffer.upload / download, DeviceArray.numpy(), an op called with a DeviceArray)
+wait likewise for the caller's submissions that nobody waited for (submit(wait=False), or a wait that raised):
+InFlight.note_unwaited, wait_for_unwaited."""
 import threading
 
 import vulkan as vk
@@ -106,15 +110,6 @@ class InFlight:
             self._free_now(free)
         else:
             self._defer(fence, free)
-
-    def wait_for(self, obj):
-        """Return once no submission that may use `obj` is on the queue (an array read back right after the
-        caller's own submit(wait=False) of a recording that writes it); vkmoe.TimeoutError after VKMOE_TIMEOUT.
-        Waits for nothing, and costs a scan of the recorders, when no such submission was made."""
-        users, closed = self._users(obj)
-        if closed or not any(_submitted_unwaited(r) for r in users):
-            return
-        self._wait_for_queue()
 
     def _wait_for_queue(self):
         """Return once every submission made so far is over; vkmoe.TimeoutError after VKMOE_TIMEOUT."""
