@@ -293,6 +293,12 @@ def test_bad_inputs(dev, monkeypatch):
         vkmoe.Device("nonexistent")
     with pytest.raises(vkmoe.DeviceSelectionError, match="out of range"):
         vkmoe.Device("99")
+    # these were looked up as name substrings ("no Vulkan device name contains '1.5'")
+    with pytest.raises(vkmoe.DeviceSelectionError, match="selector: a device index is >= 0, got -1"):
+        vkmoe.Device(-1)
+    for bad in (1.5, True, b"llvm"):
+        with pytest.raises(TypeError, match="selector: expected a device index or a substring of its name"):
+            vkmoe.Device(bad)
     monkeypatch.setenv("VKMOE_DEVICE", "nonexistent")
     with pytest.raises(vkmoe.DeviceSelectionError):
         vkmoe.Device()

@@ -2,6 +2,7 @@
 queue, and the capability report (`info()`)."""
 import functools
 import logging
+import numbers
 import os
 import threading
 import weakref
@@ -153,6 +154,17 @@ def list_devices():
     return out
 
 
+def _check_selector(selector):
+    """A device index >= 0, a name substring or None (1.5, True or -1 were looked up as name substrings)."""
+    if selector is None or isinstance(selector, str):
+        return
+    if isinstance(selector, bool) or not isinstance(selector, numbers.Integral):
+        raise TypeError(f"selector: expected a device index or a substring of its name, got "
+                        f"{type(selector).__name__} {selector!r}")
+    if selector < 0:
+        raise DeviceSelectionError(f"selector: a device index is >= 0, got {selector}")
+
+
 def _select(physical_devices, selector):
     described = []
     for index, pd in enumerate(physical_devices):
@@ -274,6 +286,7 @@ class Device:
     """
 
     def __init__(self, selector: "int | str | None" = None, pipeline_statistics: "bool | None" = None):
+        _check_selector(selector)
         self._closed = True
         self._handle_alive = False  # False once the VkDevice is destroyed (or left to the parent after a fork)
         self._forked_from = None  # the parent's pid, in a child process after fork(): check_open says so
