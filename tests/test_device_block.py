@@ -364,7 +364,19 @@ def test_bad_device_inputs(blocks, device, dev):
             with DeviceArray.from_numpy(device, np.zeros(2, np.int64)) as ids64:
                 with pytest.raises(TypeError, match="input_ids must be int32"):
                     hash_block.record(rec, xd, out, input_ids=ids64)
+            # a recorder that is not one: an AttributeError from its first dispatch before
+            with pytest.raises(TypeError, match="rec: expected a vkmoe CommandRecorder, got NoneType"):
+                block.record(None, xd, out)
+            with pytest.raises(TypeError, match="cmd: expected a vkmoe CommandRecorder, got str"):
+                block.device_block.record("rec", xd, out)
+            with CommandRecorder(dev) as foreign:
+                with pytest.raises(ValueError, match="rec is a CommandRecorder of another vkmoe.Device"):
+                    block.record(foreign, xd, out)
         rec.end()
+    # route() of a hidden that is not (m, H): a ValueError from deep in the router before
+    for bad in (x[0], x[None]):
+        with pytest.raises(ValueError, match=r"hidden: expected shape \(m, 256\)"):
+            block.route(bad)
     with pytest.raises(ValueError, match=r"input_ids: expected token ids in \[0, 64\)"):
         hash_block(x, input_ids=np.array([0, 64]))
 

@@ -244,6 +244,7 @@ class SparseMoeBlock:
         """(expert ids int64 (m, top_k), routing weights (m, top_k) in `dtype`), router math in `dtype`."""
         if self._closed:
             raise _closed_error(self)
+        hidden = self._check_hidden(hidden)  # (a 1-d hidden failed deep in the router: "not enough values to unpack")
         c = self.config
         dt = np.dtype(dtype)
         if dt not in (np.float32, np.float64):
@@ -355,6 +356,8 @@ class SparseMoeBlock:
             raise _closed_error(self)
         if self.device_block is None:
             raise ValueError(f"record() needs the whole block on a Vulkan device; it runs on {self.backend!r}")
+        from ..ops.record_args import check_recorder
+        check_recorder(self.device_block.device, rec, "rec")
         named = [("hidden", hidden), ("out", out)] + ([("residual", residual)] if self.norms is not None else [])
         for name, arr in named:
             if not isinstance(arr, DeviceArray):

@@ -31,7 +31,7 @@ from . import kernels
 from .device_array import (CallTransfers, DeviceArray, close_recording, last_gpu_ms, refuse_shared_memory,
                            resolve_out)
 from .plan import default_target_workgroups
-from .record_args import check_rows
+from .record_args import check_recorder, check_rows
 from .recorded_call import HOT_CALLS_MAX, POISON_F32, RecordedCall
 from .router import RouterGemv, check_tokens
 
@@ -170,6 +170,7 @@ class DeviceMoeBlock:
         caller frees them with its recording). mode: the routed experts' (Exl3MoeMlp.record: "persistent" needs
         `aborted(m)` checked after the submission). pin: keep this m's scratch for good (a caller's recording).
         Independent dispatches share a phase; one barrier closes each phase (docs/DESIGN.md)."""
+        check_recorder(self.device, cmd)  # (None failed at its first dispatch: an AttributeError)
         check_rows(m, minimum=1)
         check_tokens(m)
         with self._lock:

@@ -10,12 +10,12 @@ from ..vk.commands import check_buffer
 from ..vk.errors import foreign_device_error
 
 
-def check_recorder(device, cmd):
-    """`cmd`: a CommandRecorder of `device` (TypeError / ValueError naming it)."""
+def check_recorder(device, cmd, name="cmd"):
+    """`cmd`: a CommandRecorder of `device` (TypeError / ValueError naming it as `name`)."""
     if not isinstance(cmd, CommandRecorder):
-        raise TypeError(f"cmd: expected a vkmoe CommandRecorder, got {type(cmd).__name__}")
+        raise TypeError(f"{name}: expected a vkmoe CommandRecorder, got {type(cmd).__name__}")
     if cmd.device is not device:
-        raise foreign_device_error("cmd", "CommandRecorder", cmd.device, device)
+        raise foreign_device_error(name, "CommandRecorder", cmd.device, device)
 
 
 def check_buffers(device, buffers):
