@@ -299,6 +299,48 @@ def test_a_block_closed_while_its_recording_runs_waits_for_the_run(device, tmp_p
             rec.submit()
 
 
+@pytest.mark.parametrize("fail_at", ["second", "last"])
+def test_a_block_record_that_fails_partway_spoils_the_recording(blocks, device, monkeypatch, fail_at):
+    """A block's record() that failed after some of its dispatches (here at its second or its last one) left them
+    in the caller's command buffer, which then ran part of a block. Now submit() refuses it, naming what failed,
+    until begin() again; the block recorded in full after that gives its call's bits."""
+    block = blocks["deepseek_v3", 0]
+    x = _hidden(2, seed=8)
+    want = block(x)
+    dispatch, calls = CommandRecorder.dispatch, []
+
+    def counting(self, *args, **kwargs):
+        calls.append(1)
+        return dispatch(self, *args, **kwargs)
+
+    def failing(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == at:
+            raise VkmoeError("injected: out of device memory")
+        return dispatch(self, *args, **kwargs)
+
+    with DeviceArray.from_numpy(device, x) as xd, _poisoned(device, 2) as out, CommandRecorder(device) as rec:
+        rec.begin()
+        monkeypatch.setattr(CommandRecorder, "dispatch", counting)
+        block.record(rec, xd, out)
+        at = 2 if fail_at == "second" else len(calls)
+        calls.clear()
+        rec.begin()
+        monkeypatch.setattr(CommandRecorder, "dispatch", failing)
+        with pytest.raises(VkmoeError, match="injected"):
+            block.record(rec, xd, out)
+        monkeypatch.setattr(CommandRecorder, "dispatch", dispatch)
+        rec.end()
+        with pytest.raises(VkmoeError, match=r"cannot run again: .*record\(\) failed partway through its commands "
+                                             r"\(VkmoeError: injected"):
+            rec.submit()
+        rec.begin()
+        block.record(rec, xd, out)
+        rec.end()
+        rec.submit()
+        assert np.array_equal(out.numpy(), want)
+
+
 def test_chain_of_blocks_in_one_submission(blocks, device):
     """Three layers recorded back to back (each reads the previous one's fp32 output; the middle one a LatentMoE
     block) == one by one, with device arrays passed between the calls, and == numpy calls."""

@@ -2,6 +2,7 @@
 zero rows, a closed device, broken or unwritable caches, arrays shared with the caller, leaks, and validation
 gaps. Each test compares real outputs (poisoned first) with the float64 reference or exact zeros."""
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -1063,3 +1064,65 @@ def test_a_forked_child_gets_a_clear_error_and_can_open_its_own_device(tiny_laye
     rec.close(), xd.close(), moe.close()
     assert not d.take_validation_messages()
     d.close()
+
+
+@pytest.mark.parametrize("op", ["moe", "linear"])
+def test_a_record_that_fails_partway_spoils_the_recording(dev, tiny_layer, monkeypatch, op):
+    """An op's record() that failed after appending some of its commands (here its second dispatch raises) left
+    them in the caller's command buffer, which then ran half an op without a word. Now its submit() raises, naming
+    the op and the error, until begin() again; a full recording after that runs and gives the op's numbers."""
+    from test_linear import make_tensor
+
+    from vkmoe.vk import CommandRecorder
+
+    L, c = tiny_layer, tiny_layer.calls[0]
+    x, ids, w = c["x"], c["selected"], c["weights"]
+    m, top_k = ids.shape
+    H = L.hidden_size
+    with vkmoe.Exl3MoeMlp(dev, L.gate, L.up, L.down, activation="silu", dispatch="split") as moe, \
+            vkmoe.Exl3Linear(dev, make_tensor(H, H, 4, "mul1", seed=3)) as lin, CommandRecorder(dev) as rec:
+        if op == "moe":
+            expect, name = moe(x, ids, w), "Exl3MoeMlp.record()"
+            arrays = (x, ids.astype(np.int32), w.astype(np.float32))
+            ins = [dev.memory.allocate(a.nbytes) for a in arrays]
+            for b, a in zip(ins, arrays):
+                b.upload(a)
+            out = dev.memory.allocate(m * H * 4)
+            record = lambda: moe.record(rec, *ins, out, m, top_k)  # noqa: E731
+            result = lambda: out.download(np.float32, (m, H))  # noqa: E731
+        else:
+            expect, name = lin(x), "Exl3Linear.record()"
+            ins = [dev.memory.allocate(x.nbytes)]
+            ins[0].upload(x)
+            out = dev.memory.allocate(m * H * 2)
+            record = lambda: lin.record(rec, ins[0], out, m)  # noqa: E731
+            result = lambda: out.download(np.float16, (m, H))  # noqa: E731
+        dispatch, calls = CommandRecorder.dispatch, []
+
+        def failing(self, *args, **kwargs):
+            calls.append(1)
+            if len(calls) == 2:
+                raise vkmoe.VkmoeError("injected: out of device memory")
+            return dispatch(self, *args, **kwargs)
+
+        rec.begin()
+        rec.fill(out, 0)
+        rec.barrier()
+        monkeypatch.setattr(CommandRecorder, "dispatch", failing)
+        if op == "linear":
+            monkeypatch.setenv("VKMOE_LINEAR_DIRECT", "off")  # (two dispatches: the input Hadamard, the GEMM)
+        with pytest.raises(vkmoe.VkmoeError, match="injected"):
+            record()
+        monkeypatch.setattr(CommandRecorder, "dispatch", dispatch)
+        assert len(calls) == 2
+        rec.end()
+        with pytest.raises(vkmoe.VkmoeError, match=rf"cannot run again: {re.escape(name)} failed partway through "
+                                                   r"its commands \(VkmoeError: injected"):
+            rec.submit()
+        rec.begin()
+        record()
+        rec.end()
+        rec.submit()
+        assert np.array_equal(result(), expect)
+        for b in ins + [out]:
+            b.close()

@@ -31,7 +31,7 @@ from . import kernels
 from .device_array import (CallTransfers, DeviceArray, close_recording, last_gpu_ms, refuse_shared_memory,
                            resolve_out)
 from .plan import default_target_workgroups
-from .record_args import check_recorder, check_rows
+from .record_args import all_or_nothing, check_recorder, check_rows
 from .recorded_call import HOT_CALLS_MAX, POISON_F32, RecordedCall
 from .router import RouterGemv, check_tokens
 
@@ -178,13 +178,14 @@ class DeviceMoeBlock:
             if pin:
                 self._pinned.add(m)
         sets = []
-        for phase in self._phases(x_buf, x_f32, tokens_buf or self._dummy, out_buf, m, mode, residual, s):
-            steps = [step for step in phase if step is not None]  # (None: a linear's absent input Hadamard)
-            if not steps:  # a phase left empty needs no barrier
-                continue
-            for step in steps:
-                sets.append(step(cmd))
-            cmd.barrier()
+        with all_or_nothing(cmd, "the MoE block's record()"):
+            for phase in self._phases(x_buf, x_f32, tokens_buf or self._dummy, out_buf, m, mode, residual, s):
+                steps = [step for step in phase if step is not None]  # (None: a linear's absent input Hadamard)
+                if not steps:  # a phase left empty needs no barrier
+                    continue
+                for step in steps:
+                    sets.append(step(cmd))
+                cmd.barrier()
         return [d for d in sets if d is not None]
 
     def _phases(self, x_buf, x_f32, tokens_buf, out_buf, m, mode, residual, s):

@@ -17,7 +17,7 @@ from .device_array import (CallTransfers, DeviceArray, RepeatedArrays, close_rec
                            make_room_for_bound, resolve_out)
 from .host_arrays import describe, host_array, out_dtype_of
 from .plan import gemm_plan
-from .record_args import check_buffers, check_recorder, check_rows
+from .record_args import all_or_nothing, check_buffers, check_recorder, check_rows
 from .recorded_call import RecordedCall
 
 from typing import TYPE_CHECKING, Optional
@@ -165,7 +165,9 @@ class Exl3Linear:
             return
         with self._call_lock:
             self._pinned.add(m)  # the caller's command buffer uses this m's scratch: never evicted
-            self._record(cmd, x_buf, y_buf, m)
+            stages = self._stages(x_buf, y_buf, m)  # (checks the buffers: nothing recorded yet)
+            with all_or_nothing(cmd, "Exl3Linear.record()"):
+                self._record_stages(cmd, stages)
 
     def release_shape(self, m: int) -> None:
         """Unpin an m that record() pinned, once no recording of the caller's uses it: its scratch goes now
@@ -216,8 +218,12 @@ class Exl3Linear:
 
     def _record(self, cmd, x_buf, y_buf, m):
         """record()'s commands (each dispatch followed by a barrier); returns the descriptor sets they use."""
+        return self._record_stages(cmd, self._stages(x_buf, y_buf, m))
+
+    @staticmethod
+    def _record_stages(cmd, stages):
         sets = []
-        for stage in self._stages(x_buf, y_buf, m):
+        for stage in stages:
             if stage is None:  # (direct mode has no input Hadamard dispatch)
                 continue
             sets.append(stage(cmd))

@@ -30,7 +30,7 @@ from . import kernels
 from .device_array import CallTransfers, DeviceArray, RepeatedArrays, make_room_for_bound, resolve_out
 from .host_arrays import describe, host_array, out_dtype_of
 from .plan import moe_plan
-from .record_args import check_buffers, check_recorder, check_rows
+from .record_args import all_or_nothing, check_buffers, check_recorder, check_rows
 from .recorded_call import HOT_CALLS_MAX, POISON_F32, RecordedCall
 from .timeline import Timeline
 
@@ -665,7 +665,8 @@ class Exl3MoeMlp:
             scratch = self._scratch_for(m, top_k)
         buffers = self._bindings(scratch, hidden_buf, ids_buf, weights_buf, out_buf)
         if mode == "split":
-            self._record_split(cmd, scratch, buffers)
+            with all_or_nothing(cmd, "Exl3MoeMlp.record()"):
+                self._record_split(cmd, scratch, buffers)
         elif mode == "persistent":
             if scratch.plan.coop:
                 raise ValueError(f"mode='persistent' is not possible here: {coop_split_reason(scratch.plan)}")
@@ -673,7 +674,8 @@ class Exl3MoeMlp:
                                     self.co_resident(scratch.plan), scratch.persistent_fits)
             if not pplan.allowed:
                 raise ValueError(f"mode='persistent' is not possible here: {pplan.reason}")
-            self._record_persistent(cmd, scratch, buffers, pplan)
+            with all_or_nothing(cmd, "Exl3MoeMlp.record()"):
+                self._record_persistent(cmd, scratch, buffers, pplan)
         return scratch.plan
 
     def _check_record(self, hidden_buf, ids_buf, weights_buf, out_buf, m, top_k):

@@ -3,6 +3,8 @@
 record() appends to a caller's recording and binds the caller's Buffers in place, so nothing copies them and no
 later step would notice a wrong one: a buffer too small would be read or written past its end by the GPU.
 """
+from contextlib import contextmanager
+
 import numpy as np
 
 from ..vk import CommandRecorder
@@ -35,3 +37,15 @@ def check_rows(m, minimum=0):
     if m < minimum:
         raise ValueError(f"m: expected an integer >= {minimum}, got {m}")
     return int(m)
+
+
+@contextmanager
+def all_or_nothing(cmd, what):
+    """Around the commands an op's record() appends to a caller's `cmd`: if it fails partway (out of memory for a
+    pipeline, the device closed), the commands it appended stay in cmd, so cmd is spoiled: its submit() raises,
+    naming `what` and the error, until begin() again (instead of running half an op)."""
+    try:
+        yield
+    except BaseException as exc:
+        cmd.spoil(f"{what} failed partway through its commands ({type(exc).__name__}: {exc})")
+        raise

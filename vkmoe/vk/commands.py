@@ -378,6 +378,13 @@ class CommandRecorder:
         if offset < 0 or nbytes <= 0 or offset + nbytes > buf.size:
             raise ValueError(f"{name}: {nbytes} bytes at offset {offset} do not fit its {buf.size} bytes")
 
+    def spoil(self, reason):
+        """Refuse to submit this recording (submit() raises naming `reason`) until begin() starts a new one: a
+        caller's record() that failed partway has left some of its commands in it, and running them would compute
+        something else without a word (vkmoe.ops.record_args.all_or_nothing)."""
+        if self._stale is None:
+            self._stale = reason
+
     @_holds_device
     def timestamp(self):
         """Write a timestamp after all earlier commands; returns its slot index."""
