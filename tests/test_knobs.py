@@ -15,8 +15,7 @@ from vkmoe import knobs
 from vkmoe.sched import plan as sched_plan
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Read by the test suite and the bootstrap script, not by the package.
-NOT_PACKAGE = {"VKMOE_GOLDEN_DIR", "VKMOE_BOOTSTRAP_QUIET"}
+NOT_PACKAGE = set(knobs.OUTSIDE_PACKAGE)
 
 
 def test_every_package_read_goes_through_knobs():
@@ -153,3 +152,30 @@ def test_moe_rows_knob_offers_exactly_the_plans_row_counts(monkeypatch):
             pass
     assert accepted == planned
     assert max(accepted) == layout.MOE_ROWS_MAX
+
+
+def test_a_device_warns_about_unknown_and_bad_variables(monkeypatch):
+    """A misspelt VKMOE_DISPATH was ignored without a word, and VKMOE_NATIVE_CALL=2 let a layer's first call run and
+    failed its second (the first to read it). Device() now warns about both, once per name and value; a bad value
+    still raises only where it is read (a bad persistent knob must never stop a split call)."""
+    import warnings
+
+    monkeypatch.setattr(knobs, "_warned", set())
+    monkeypatch.setenv("VKMOE_DISPATH", "split")
+    monkeypatch.setenv("VKMOE_NATIVE_CALL", "2")
+    monkeypatch.setenv("VKMOE_GOLDEN_DIR", os.environ.get("VKMOE_GOLDEN_DIR", "tests/data/golden"))
+    with pytest.warns(knobs.KnobWarning) as seen:
+        knobs.warn_about_environment()
+    messages = sorted(str(w.message) for w in seen)
+    assert len(messages) == 2, messages
+    assert "VKMOE_DISPATH is not a vkmoe variable (did you mean VKMOE_DISPATCH?)" in messages[0]
+    assert "VKMOE_NATIVE_CALL='2': expected 1/0" in messages[1] and "will raise KnobError" in messages[1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        knobs.warn_about_environment()  # (once per name and value)
+    import vkmoe
+    monkeypatch.setenv("VKMOE_MOE_ROWS", "3")
+    with pytest.warns(knobs.KnobWarning, match="VKMOE_MOE_ROWS='3'"):
+        vkmoe.Device().close()
+    with pytest.raises(knobs.KnobError, match="VKMOE_MOE_ROWS"):
+        knobs.get("VKMOE_MOE_ROWS")

@@ -6,7 +6,9 @@ variables" table documents the same set (tests/test_knobs.py keeps them in step)
 
 A leaf module: it imports nothing from vkmoe, so every layer (vk included) may use it.
 """
+import difflib
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -197,3 +199,38 @@ def _value(name, text):
 def parse(name, text):
     """`text` parsed as knob `name` would be (e.g. a dispatch= argument checked like VKMOE_DISPATCH)."""
     return get(name, {name: text})
+
+
+# Read by the test suite and the bootstrap script, not by the package (README's table lists them with the knobs).
+OUTSIDE_PACKAGE = ("VKMOE_GOLDEN_DIR", "VKMOE_BOOTSTRAP_QUIET")
+
+
+class KnobWarning(UserWarning):
+    """A VKMOE_* variable that no vkmoe code will read, or one whose value will raise KnobError where it is read."""
+
+
+_warned = set()  # (name, text) pairs warned about already: once per process
+
+
+def warn_about_environment(environ=None):
+    """Warn (KnobWarning, once per name and value) about each VKMOE_* variable set now that is not a knob (a
+    misspelt VKMOE_DISPATH was ignored without a word) or holds a value its knob refuses (VKMOE_NATIVE_CALL=2 let
+    a layer's first call run and failed its second, the first to read it). A warning, not an error: a knob is read
+    where it is used, so that e.g. a bad VKMOE_PERSISTENT_* never stops a split call. Device() runs it."""
+    env = os.environ if environ is None else environ
+    for name in sorted(k for k in env if k.startswith("VKMOE_")):
+        text = env[name]
+        if (name, text) in _warned or name in OUTSIDE_PACKAGE:
+            continue
+        if name not in KNOBS:
+            close = difflib.get_close_matches(name, KNOBS, n=1)
+            message = f"{name} is not a vkmoe variable" + (f" (did you mean {close[0]}?)" if close else "") + \
+                ": vkmoe ignores it"
+        else:
+            try:
+                _value(name, text)
+                continue
+            except KnobError as exc:
+                message = f"{exc}: the calls that read it will raise KnobError"
+        _warned.add((name, text))
+        warnings.warn(message, KnobWarning, stacklevel=3)

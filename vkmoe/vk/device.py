@@ -287,6 +287,7 @@ class Device:
 
     def __init__(self, selector: "int | str | None" = None, pipeline_statistics: "bool | None" = None):
         _check_selector(selector)
+        knobs.warn_about_environment()
         self._closed = True
         self._handle_alive = False  # False once the VkDevice is destroyed (or left to the parent after a fork)
         self._forked_from = None  # the parent's pid, in a child process after fork(): check_open says so
