@@ -69,8 +69,11 @@ def test_subgroup_on_an_unfit_device_raises(device, monkeypatch):
 
 
 def _moe_both(device, monkeypatch, L, calls, direct, mode):
-    """Outputs of `calls` through a fresh layer per transform (a layer's recordings keep their pipelines)."""
+    """Outputs of `calls` through a fresh layer per transform (a layer's recordings keep their pipelines). The FMA
+    path: on the H200 the cooperative-matrix MoE stages (m = 40 and 70 there) gave different bits per transform, and a
+    persistent request ran split (the coop stages are the split path's alone)."""
     monkeypatch.setenv("VKMOE_MOE_DIRECT", direct)
+    monkeypatch.setenv("VKMOE_COOPMAT", "off")
     outs = {}
     for had in ("shared", "subgroup"):
         monkeypatch.setenv("VKMOE_HADAMARD", had)

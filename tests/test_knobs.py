@@ -95,6 +95,7 @@ def test_wait_rejects_a_bad_timeout(device, monkeypatch):
     with CommandRecorder(device) as rec:
         rec.begin()
         rec.end()
+        rec.spin_s = 0  # (a GPU's wait spins first, and an empty buffer ends within the spin: the knob went unread)
         monkeypatch.setenv("VKMOE_TIMEOUT", "-1")
         with pytest.raises(knobs.KnobError, match="VKMOE_TIMEOUT"):
             rec.submit(wait=True)

@@ -17,8 +17,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def run_python(code, env_extra=None, drop=(), timeout=300):
     """Run `code` in a fresh interpreter from the repository root; returns the CompletedProcess."""
     env = {k: v for k, v in os.environ.items() if k not in drop}
+    # (the caller's own PYTHONPATH last: where the binding's wheels live on a machine without a venv, e.g. the GPU
+    # machine's, whose packaging tests all failed on "No module named 'vulkan'")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [*(env_extra or {}).pop("PYTHONPATH", "").split(os.pathsep),
-                                                      ROOT]))
+                                                      ROOT, *os.environ.get("PYTHONPATH", "").split(os.pathsep)]))
     env.update(env_extra or {})
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)

@@ -1005,7 +1005,8 @@ def test_a_forked_child_gets_a_clear_error_and_can_open_its_own_device(tiny_laye
     """Vulkan objects do not survive fork(). A child's call on the parent's device waited VKMOE_TIMEOUT (60 s) for a
     submission lavapipe never ran, then blamed the GPU, and a new Device in the child hung the same way (it reused
     the parent's VkInstance). Now the parent's objects raise DeviceClosedError at once saying why, closing them
-    touches no handle of the parent's, a new Device in the child works, and the parent carries on unharmed."""
+    touches no handle of the parent's, a new Device in the child works (lavapipe) or says why it cannot (NVIDIA's
+    driver refuses vkCreateDevice there), and the parent carries on unharmed."""
     import json
 
     from vkmoe.ops.device_array import DeviceArray
@@ -1035,9 +1036,13 @@ def test_a_forked_child_gets_a_clear_error_and_can_open_its_own_device(tiny_laye
             report["seconds"] = time.monotonic() - t0
             for thing in (rec, xd, moe, d):  # the parent's: closing them must not touch its handles
                 thing.close()
-            with vkmoe.Device() as d2, vkmoe.Exl3MoeMlp(d2, L.gate, L.up, L.down, activation="silu",
-                                                        dispatch="split") as moe2:
-                report["own_device"] = bool(np.array_equal(moe2(x, ids, w), expect))
+            try:
+                d2 = vkmoe.Device()
+            except vkmoe.VkmoeError as exc:  # (NVIDIA's driver refuses a device in a fork child: the error says so)
+                report["own_device"] = str(exc)
+            else:
+                with d2, vkmoe.Exl3MoeMlp(d2, L.gate, L.up, L.down, activation="silu", dispatch="split") as moe2:
+                    report["own_device"] = bool(np.array_equal(moe2(x, ids, w), expect))
         except BaseException as exc:
             report["unexpected"] = repr(exc)
         os.write(write, json.dumps(report).encode())
@@ -1056,7 +1061,9 @@ def test_a_forked_child_gets_a_clear_error_and_can_open_its_own_device(tiny_laye
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
     assert "forked from" in report.get("error", "") and "fork()" in report["error"], report
     assert report["seconds"] < 5, report
-    assert report["own_device"] is True, report
+    # a new Device works there (lavapipe), or its error says why and what to do instead
+    assert report["own_device"] is True or ("forked from" in report["own_device"]
+                                            and "'spawn'" in report["own_device"]), report
     # the parent's device, layer, array and recorder are untouched by the child's closes
     rec.wait()
     assert np.array_equal(moe(xd, ids, w), moe(x * np.float16(0) + xd.numpy(), ids, w))
