@@ -13,6 +13,7 @@ from vkmoe.exl3 import Exl3Tensor
 from vkmoe.models import (SPECS, CheckpointError, MissingTensorError, MoeConfig, SparseMoeBlock, sqrt_softplus,
                           sqrtsp_hash, sqrtsp_topk, write_checkpoint)
 from vkmoe.models.checkpoint import checkpoint_config
+from subproc import python_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 H = 256
@@ -622,7 +623,7 @@ def test_half_integer_bits_refused_by_writer_and_tool(tmp_path):
         write_checkpoint(str(tmp_path / "w"), bits=4.5)
     r = subprocess.run([sys.executable, os.path.join(REPO, "tools", "make_exl3_moe_checkpoint"), "--bits", "2.5",
                         "--out", str(tmp_path / "t")], capture_output=True, text=True, timeout=60,
-                       env=dict(os.environ, PYTHONPATH=REPO))
+                       env=python_env())
     assert r.returncode == 2 and "half-integer" in r.stderr
 
 
@@ -637,7 +638,7 @@ def test_tool_writes_every_architecture(tmp_path, arch):
     if arch == "nemotron_h":
         args += ["--hidden", "256", "--latent", "128"]
     r = subprocess.run([sys.executable, os.path.join(REPO, "tools", "make_exl3_moe_checkpoint")] + args,
-                       capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=REPO))
+                       capture_output=True, text=True, timeout=60, env=python_env())
     assert r.returncode == 0, r.stderr
     cfg = json.load(open(os.path.join(out, "config.json")))
     assert cfg["model_type"] == SPECS[arch].config_model_type

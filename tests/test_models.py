@@ -14,6 +14,7 @@ import pytest
 from vkmoe import registry
 from vkmoe.models import (Checkpoint, CheckpointError, MissingTensorError, MoeConfig, SparseMoeBlock,
                           sigmoid_group_topk, softmax_topk, write_checkpoint)
+from subproc import python_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -416,7 +417,7 @@ def test_tool_writes_loadable_checkpoint(tmp_path):
                         "deepseek_v3", "--hidden", "128", "--intermediate", "128", "--experts", "4", "--top-k", "2",
                         "--n-group", "2", "--topk-group", "2", "--shared-experts", "2", "--bits", "3",
                         "--codebook", "mcg", "--shards", "2", "--out", out],
-                       capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=REPO))
+                       capture_output=True, text=True, timeout=60, env=python_env())
     assert r.returncode == 0, r.stderr
     block = SparseMoeBlock.from_checkpoint(out, 0, backend="cpu")
     assert block.up[0].bits == 3 and block.up[0].codebook == "mcg"
@@ -427,7 +428,7 @@ def test_tool_writes_loadable_checkpoint(tmp_path):
 def test_tool_rejects_bad_shape(tmp_path):
     r = subprocess.run([sys.executable, os.path.join(REPO, "tools", "make_exl3_moe_checkpoint"), "--hidden", "200",
                         "--out", str(tmp_path / "x")], capture_output=True, text=True, timeout=60,
-                       env=dict(os.environ, PYTHONPATH=REPO))
+                       env=python_env())
     assert r.returncode == 2 and "hidden_size=200" in r.stderr
 
 

@@ -10,18 +10,16 @@ import numpy as np
 import pytest
 
 import vkmoe
+from subproc import python_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_python(code, env_extra=None, drop=(), timeout=300):
     """Run `code` in a fresh interpreter from the repository root; returns the CompletedProcess."""
-    env = {k: v for k, v in os.environ.items() if k not in drop}
-    # (the caller's own PYTHONPATH last: where the binding's wheels live on a machine without a venv, e.g. the GPU
-    # machine's, whose packaging tests all failed on "No module named 'vulkan'")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [*(env_extra or {}).pop("PYTHONPATH", "").split(os.pathsep),
-                                                      ROOT, *os.environ.get("PYTHONPATH", "").split(os.pathsep)]))
-    env.update(env_extra or {})
+    extra = dict(env_extra or {})
+    env = {k: v for k, v in python_env(*extra.pop("PYTHONPATH", "").split(os.pathsep), **extra).items()
+           if k not in drop}
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
 

@@ -17,6 +17,7 @@ import vkmoe
 from goldens import golden_files, load_layer
 from vkmoe.sched import plan as sched_plan
 from vkmoe.sched import residency
+from subproc import python_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -134,8 +135,7 @@ def test_forced_oversubscription_falls_back_to_split_quickly(device, tmp_path):
                               "grid": run["persistent_plan"]["workgroups"]}}))
             moe.close()
     """)
-    env = dict(os.environ, LP_NUM_THREADS="2", VKMOE_PERSISTENT_GRID="6", VKMOE_CACHE_DIR=str(tmp_path),
-               PYTHONPATH=REPO)
+    env = python_env(LP_NUM_THREADS="2", VKMOE_PERSISTENT_GRID="6", VKMOE_CACHE_DIR=str(tmp_path))
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])

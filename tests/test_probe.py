@@ -11,12 +11,13 @@ import pytest
 import vkmoe
 from vkmoe.sched import residency
 from vkmoe.sched.probe import CALIBRATION_LENGTHS, OPEN_WINDOW_MS_CPU, SpinBudget, format_report, probe_residency, spin_ns_per_iter
+from subproc import python_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _probe_cli(*args, threads=None, cache_dir=None, timeout=120):
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = python_env()
     if threads is not None:
         env["LP_NUM_THREADS"] = str(threads)
     if cache_dir is not None:
@@ -142,7 +143,7 @@ def test_error_exit_codes(tmp_path):
 
 
 def test_info_cli():
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = python_env()
     text = subprocess.run([sys.executable, "-m", "vkmoe", "info"], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=60)
     assert text.returncode == 0, text.stderr

@@ -11,6 +11,7 @@ import pytest
 
 import vkmoe
 from spin import SpinRun, fence_signalled, skip_if_over
+from subproc import python_env
 from vkmoe.vk import CommandRecorder, Pipeline, PushConstants
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -779,7 +780,7 @@ r1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 print((r1 - r0) // 1024)
 """
     out = subprocess.run([sys.executable, "-c", code, SAXPY], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (ROOT, os.environ.get("PYTHONPATH"))))))
+                         env=python_env())
     assert out.returncode == 0, out.stderr[-2000:]
     grown_mib = int(out.stdout.strip().splitlines()[-1])
     assert grown_mib < 64, f"RSS grew {grown_mib} MiB over 200 device cycles"
