@@ -252,7 +252,7 @@ def expect_device(value, name="device"):
 
 # Every Device opened in this process: a child process after fork() marks them closed at once (_after_fork_in_child).
 _open_devices = weakref.WeakSet()
-_forked_from = None  # in a fork() child of a process that had used Vulkan: the parent's pid (Device() errors say so)
+_fork_parent = None  # in a fork() child of a process that had used Vulkan: the parent's pid (Device() errors say so)
 
 
 def _after_fork_in_child():
@@ -261,10 +261,10 @@ def _after_fork_in_child():
     parent's). So in the child every Device of the parent is closed for use, with an error that says why, and
     nothing is destroyed through its handles (they are the parent's). A new Device makes its own instance (one on
     the parent's instance never ran a submission on lavapipe either)."""
-    global _forked_from
+    global _fork_parent
     parent = os.getppid()
     if _open_devices or _Instance._instances:
-        _forked_from = parent
+        _fork_parent = parent
     for device in list(_open_devices):
         device._left_by_fork(parent)
     _open_devices.clear()
@@ -320,10 +320,10 @@ class Device:
         try:
             self._create_logical_device()
         except VkmoeError as exc:
-            if _forked_from is None:
+            if _fork_parent is None:
                 raise
             # (NVIDIA's driver: vkCreateDevice failed with VK_ERROR_INITIALIZATION_FAILED in such a child)
-            raise VkmoeError(f"{exc}: this process was forked from process {_forked_from}, which had opened a "
+            raise VkmoeError(f"{exc}: this process was forked from process {_fork_parent}, which had opened a "
                              "Vulkan device, and this driver refuses a device in such a child; start it with "
                              "multiprocessing's 'spawn' method instead") from exc
         self._closed = False
