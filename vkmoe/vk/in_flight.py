@@ -207,6 +207,7 @@ class InFlight:
             self._closed = True
             deferred, self._deferred = self._deferred, []
             self._recorders.clear()
+            self._unwaited = {}
         for fence, free in deferred:
             if fence is not None:
                 vk.vkDestroyFence(self.device.handle, fence, None)
