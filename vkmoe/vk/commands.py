@@ -427,11 +427,7 @@ class CommandRecorder:
         if not wait:  # (an op later called with an array this run uses waits for it: InFlight.wait_for_unwaited)
             dev.in_flight.note_unwaited(self, riders)
             return self
-        try:
-            self._wait(timeout)
-        except BaseException:
-            self._left_running()
-            raise
+        self._wait(timeout)
         return self
 
     def _left_running(self):
@@ -463,11 +459,7 @@ class CommandRecorder:
         lib, c = call.lib, call.struct
         result = lib.vkn_call_finish(c, out_conv, dst)
         if result == call.PENDING:  # still running after the spin: sleep as submit_held's wait does, then copy
-            try:
-                self._wait(None, spun=True)
-            except BaseException:
-                self._left_running()
-                raise
+            self._wait(None, spun=True)
             result = lib.vkn_call_finish(c, out_conv, dst)
         if result:
             call.raise_error(result)
@@ -547,6 +539,15 @@ class CommandRecorder:
             self._wait(timeout)
 
     def _wait(self, timeout, spun=False):
+        """_wait_for_fence; a wait that raises (a timeout, an interrupt) leaves the submission noted as running
+        (_left_running)."""
+        try:
+            self._wait_for_fence(timeout, spun)
+        except BaseException:
+            self._left_running()
+            raise
+
+    def _wait_for_fence(self, timeout, spun=False):
         """Wait for the pending submission: spin for spin_s (unless the caller `spun` already), then sleep for up
         to `timeout` seconds (None: VKMOE_TIMEOUT, or COMPILE_TIMEOUT_S for the first run of a fresh recording)
         in slices."""
