@@ -131,3 +131,47 @@ def test_exl3_package_has_no_vulkan_or_native_imports():
     for f in pathlib.Path(vkmoe.exl3.__file__).parent.glob("*.py"):
         src = f.read_text()
         assert not re.search(r"^\s*(import|from)\s+(vulkan|vkmoe\.vk|vkmoe\.cpu|\.\.cpu|\.\._native)", src, re.M), f
+
+
+def test_expert_list_cache_is_safe_across_threads(monkeypatch):
+    """A thread's cache hit must not be evicted by another thread before it is refreshed (it was: a KeyError).
+
+    Deterministic: the cache pauses the first thread between its lookup and its refresh until a second thread's
+    call, which evicts the oldest entry, has returned (or 0.5 s). With the lock the second call waits instead.
+    """
+    import threading
+    from collections import OrderedDict
+    from vkmoe.exl3 import synthetic
+
+    per_layer = 3  # lists of a call: gate, up, down
+    fill = cpu._LIST_CACHE_SIZE // per_layer  # layers whose lists fit the cache; one more evicts layers[0]'s
+    layers = [synthetic.random_moe_layer(128, 128, 2, bits=1, seed=s) for s in range(fill + 1)]
+    h = np.random.default_rng(0).standard_normal((1, 128)).astype(np.float16)
+    ids, w = np.array([[0, 1]]), np.array([[0.5, 0.5]], np.float32)
+    paused, second_done = threading.Event(), threading.Event()
+    first = threading.current_thread()
+
+    class PausingCache(OrderedDict):
+        def move_to_end(self, key, last=True):
+            if threading.current_thread() is first and not paused.is_set():
+                paused.set()
+                second_done.wait(0.5)
+            super().move_to_end(key, last)
+
+    monkeypatch.setattr(cpu, "_LIST_CACHE", PausingCache())
+    want = [R.moe_forward(h, ids, w, *L).astype(np.float32) for L in layers]
+    for L in layers[:fill]:  # layers[0]'s lists are the oldest entries
+        cpu.moe_forward(h, ids, w, *L, threads=1)
+    got = {}
+
+    def second():
+        paused.wait(5)
+        got["second"] = cpu.moe_forward(h, ids, w, *layers[-1], threads=1)  # a new list: evicts the oldest
+        second_done.set()
+
+    t = threading.Thread(target=second)
+    t.start()
+    got["first"] = cpu.moe_forward(h, ids, w, *layers[0], threads=1)  # hits, then pauses before the refresh
+    t.join(10)
+    assert paused.is_set() and not t.is_alive()
+    assert rel_rms(got["first"], want[0]) < 3e-3 and rel_rms(got["second"], want[-1]) < 3e-3

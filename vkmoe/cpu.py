@@ -6,6 +6,7 @@ Same arguments and semantics as `vkmoe.exl3.reference`; results are float32. Bui
 from __future__ import annotations
 
 import os
+import threading
 from collections import OrderedDict
 
 import numpy as np
@@ -94,25 +95,30 @@ def _fill(struct, t: Exl3Tensor):
     return (t, suh, svh, bias, lut)
 
 
-# Struct arrays for expert lists, keyed by the tensors' ids; entries hold the tensors so ids stay valid.
+# Struct arrays for expert lists, keyed by the tensors' ids; entries hold the tensors so ids stay valid. One lock:
+# calls from several threads (the native work runs without the GIL) look up, refresh and evict entries together,
+# and without it a thread's hit could be evicted by another between the lookup and the refresh (a KeyError).
 _LIST_CACHE: "OrderedDict" = OrderedDict()
+_LIST_CACHE_SIZE = 16
+_LIST_LOCK = threading.Lock()
 
 
 def _tensor_array(lst):
     if lst is None:
         return _ffi.NULL, None
     key = tuple(id(t) for t in lst)
-    hit = _LIST_CACHE.get(key)
-    if hit is not None:
-        _LIST_CACHE.move_to_end(key)
-        return hit[0], hit
-    arr = _ffi.new("vkn_tensor[]", len(lst))
-    keep = [_fill(arr[i], t) for i, t in enumerate(lst)]
-    entry = (arr, keep)
-    _LIST_CACHE[key] = entry
-    while len(_LIST_CACHE) > 16:
-        _LIST_CACHE.popitem(last=False)
-    return arr, entry
+    with _LIST_LOCK:
+        hit = _LIST_CACHE.get(key)
+        if hit is not None:
+            _LIST_CACHE.move_to_end(key)
+            return hit[0], hit
+        arr = _ffi.new("vkn_tensor[]", len(lst))
+        keep = [_fill(arr[i], t) for i, t in enumerate(lst)]
+        entry = (arr, keep)
+        _LIST_CACHE[key] = entry
+        while len(_LIST_CACHE) > _LIST_CACHE_SIZE:
+            _LIST_CACHE.popitem(last=False)
+        return arr, entry
 
 
 def dequantize(trellis, codebook: str = "mul1") -> np.ndarray:
