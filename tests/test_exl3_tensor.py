@@ -164,3 +164,27 @@ def test_both_flags_error():
         load_exl3_tensor(d, "model.layers.3.mlp.experts.0.up_proj")
     with pytest.raises(KeyError, match="trellis"):
         load_exl3_tensor(d, "model.layers.3.mlp.experts.0.nope")
+
+
+def test_tensor_attributes_cannot_be_rebound():
+    """The ops and the CPU tier cache what they derived from a tensor (device copies, pointers into its arrays),
+    so rebinding `t.trellis` after a call used to leave them reading the old array (freed once unreferenced)."""
+    import copy
+    import pickle
+
+    tr, suh, svh = _parts()
+    t = Exl3Tensor(tr, suh, svh, bias=np.ones(256, np.float16))
+    for name in ("trellis", "suh", "svh", "bias", "codebook", "k", "n", "bits", "_cache"):
+        with pytest.raises(AttributeError, match=f"read-only: '{name}' cannot be set"):
+            setattr(t, name, getattr(t, name))
+        with pytest.raises(AttributeError, match="read-only"):
+            delattr(t, name)
+    with pytest.raises(AttributeError):
+        t.extra = 1  # no such slot either
+    w = t.dequantize()
+    for clone in (pickle.loads(pickle.dumps(t)), copy.deepcopy(t), copy.copy(t)):
+        assert clone is not t and (clone.k, clone.n, clone.bits, clone.codebook) == (t.k, t.n, t.bits, t.codebook)
+        for name in ("trellis", "suh", "svh", "bias"):
+            np.testing.assert_array_equal(getattr(clone, name), getattr(t, name))
+            assert not getattr(clone, name).flags.writeable
+        np.testing.assert_array_equal(clone.dequantize(), w)

@@ -33,7 +33,8 @@ class Exl3Tensor:
     trellis: uint16 or int16 (k/16, n/16, 16*K), K = bits in 1..8, k and n multiples of 128 (stored as a
     C-contiguous uint16 view); suh: float16 (k,); svh: float16 (n,); codebook: "mul1", "mcg" or "3inst";
     bias: None or (n,) float16/float32 (stored float16, as exllamav3 does at load). The arrays are stored as
-    read-only copies: changing the caller's arrays afterwards does not change the tensor.
+    read-only copies: changing the caller's arrays afterwards does not change the tensor, and its attributes cannot
+    be rebound (the ops and the CPU tier cache what they derived from them: device copies, struct pointers).
     """
 
     __slots__ = ("trellis", "suh", "svh", "bias", "codebook", "k", "n", "bits", "_cache", "__weakref__")
@@ -76,6 +77,18 @@ class Exl3Tensor:
                                  + ("NaN/Inf" if not np.all(np.isfinite(b)) else "values beyond it"))
             self.bias = _frozen_copy(b16)
         self._cache = {}
+
+    def __setattr__(self, name, value):
+        if hasattr(self, "_cache"):  # set last in __init__: from then on the tensor is what was validated
+            raise AttributeError(f"Exl3Tensor is read-only: {name!r} cannot be set after construction "
+                                 "(make a new Exl3Tensor)")
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name):
+        raise AttributeError(f"Exl3Tensor is read-only: {name!r} cannot be deleted")
+
+    def __reduce__(self):  # pickling and copy rebuild (and re-validate) from the arrays, without the caches
+        return (Exl3Tensor, (self.trellis, self.suh, self.svh, self.codebook, self.bias))
 
     @property
     def nbytes(self) -> int:
