@@ -90,6 +90,23 @@ def test_range_helpers_and_bad_calls(device, dev, layer):
             s(c["x"], c["selected"], c["weights"].astype(np.int32))
 
 
+def test_a_closed_layer_and_bad_shards_raise_clear_errors(device, dev, layer):
+    """A call after close() was an IndexError, and from_shards of malformed ranges a bare unpacking error."""
+    c = layer.calls[0]
+    s = ShardedMoeMlp([device, dev], layer.gate, layer.up, layer.down, activation=layer.activation)
+    assert np.isfinite(s(c["x"], c["selected"], c["weights"])).all()
+    shards = list(s.shards)
+    s.close()
+    s.close()  # harmless
+    with pytest.raises(vkmoe.VkmoeError, match="this ShardedMoeMlp is closed"):
+        s(c["x"], c["selected"], c["weights"])
+    for bad in ("x", [(0,)], [None], 5):
+        with pytest.raises(ValueError, match="ranges: expected a non-empty list of .first, count. pairs"):
+            ShardedMoeMlp.from_shards(shards, bad)
+    with pytest.raises(ValueError, match="shards: expected one Exl3MoeMlp per range"):
+        ShardedMoeMlp.from_shards([object(), object()], [(0, 8), (8, 8)])
+
+
 def test_from_a_checkpoint_each_shard_reads_its_experts(device, dev, tmp_path, monkeypatch):
     from vkmoe.exl3 import loaders
     from vkmoe.models import write_checkpoint

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from ..vk.errors import closed_op_error
 from .host_arrays import host_array
 from .moe import Exl3MoeMlp
 
@@ -89,9 +90,14 @@ class ShardedMoeMlp:
         """Wrap existing shards (Exl3MoeMlp, one per range, e.g. device-filled benchmark layers); their plans are
         set to the whole layer's."""
         self = cls.__new__(cls)
-        self.E = sum(count for _, count in ranges)
+        try:  # (the pairs' form is checked by check_ranges; this only needs the total it checks against)
+            self.E = sum(int(pair[1]) for pair in ranges)
+        except (TypeError, ValueError, IndexError, KeyError):
+            raise ValueError(f"ranges: expected a non-empty list of (first, count) pairs, got {ranges!r}") from None
         self.ranges = check_ranges(ranges, self.E)
-        if len(shards) != len(self.ranges) or any(sh.E != c for sh, (_, c) in zip(shards, self.ranges)):
+        shards = list(shards) if isinstance(shards, (list, tuple)) else shards
+        if not isinstance(shards, list) or not all(isinstance(sh, Exl3MoeMlp) for sh in shards) or \
+                len(shards) != len(self.ranges) or any(sh.E != c for sh, (_, c) in zip(shards, self.ranges)):
             raise ValueError("shards: expected one Exl3MoeMlp per range, holding `count` experts each")
         self.shards = list(shards)
         for shard in self.shards:
@@ -120,22 +126,28 @@ class ShardedMoeMlp:
         return cls(devices, joined["gate"], joined["up"], joined["down"], activation=activation,
                    act_limit=act_limit, ranges=ranges, dispatch=dispatch)
 
-    def _shard_call(self, index, hidden, ids, weights, dispatch):
+    def _shard_call(self, shards, index, hidden, ids, weights, dispatch):
         first, count = self.ranges[index]
         local = ids - first
         local[(ids < first) | (ids >= first + count)] = -1  # another shard's expert: skipped on this device
-        return self.shards[index].slot_rows(hidden, local, weights, dispatch)
+        return shards[index].slot_rows(hidden, local, weights, dispatch)
 
     def __call__(self, hidden, expert_ids, expert_weights, dispatch=None):
+        shards, pool = self.shards, self._pool  # (close() may run in another thread: read each once)
+        if not shards or pool is None:
+            raise closed_op_error(self)
         hidden = host_array(hidden, "hidden")
         expert_ids, expert_weights = host_array(expert_ids, "expert_ids"), host_array(expert_weights, "expert_weights")
         # The op's own checks, with ids addressing the whole layer's experts.
-        self.shards[0]._check_inputs(hidden, expert_ids, expert_weights, experts=self.E)
+        shards[0]._check_inputs(hidden, expert_ids, expert_weights, experts=self.E)
         m, top_k = expert_ids.shape
         ids = np.ascontiguousarray(expert_ids, np.int32)
         weights = np.ascontiguousarray(expert_weights, np.float32)
         x = np.ascontiguousarray(hidden)
-        futures = [self._pool.submit(self._shard_call, i, x, ids, weights, dispatch) for i in range(len(self.shards))]
+        try:
+            futures = [pool.submit(self._shard_call, shards, i, x, ids, weights, dispatch) for i in range(len(shards))]
+        except RuntimeError:  # the pool was shut down by a close() since the check above
+            raise closed_op_error(self) from None
         rows = [f.result() for f in futures]
         owner = np.searchsorted([first + count for first, count in self.ranges], ids, side="right")
         slots = rows[0]
