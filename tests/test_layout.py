@@ -155,3 +155,15 @@ def test_sizes_and_grids():
     # folded within the smallest maxComputeWorkGroupCount[0] (the shader recombines x and y)
     wgs = layout.ceil_div(40000 * 16, layout.HAD_IN_UNITS_PER_WG)
     assert layout.had_in_grid(40000, 2048) == (layout.MAX_GRID_X, layout.ceil_div(wgs, layout.MAX_GRID_X))
+
+
+def test_dispatch_modes_match_the_knob():
+    """layout.DISPATCH_MODES owns the modes; VKMOE_DISPATCH (vkmoe.knobs, a leaf that cannot import it) lists its own."""
+    from vkmoe import knobs
+
+    for mode in layout.DISPATCH_MODES:
+        assert knobs.parse("VKMOE_DISPATCH", mode) == mode
+    with pytest.raises(knobs.KnobError):
+        knobs.parse("VKMOE_DISPATCH", "fast")
+    expected = knobs.KNOBS["VKMOE_DISPATCH"].expected
+    assert re.findall(r"\w+", expected.replace(" or ", " ")) == list(layout.DISPATCH_MODES)

@@ -211,3 +211,57 @@ def test_real_probe_selects_vulkan_here():
         assert registry.select_backend(ops=("exl3_moe_mlp", "exl3_linear")) == "vulkan"
     finally:
         registry.reset()
+
+
+@needs_vulkan_moe
+@needs_vulkan_linear
+@pytest.mark.parametrize("backend", ["vulkan", "cpu"])
+def test_both_backends_take_and_refuse_the_same_calls(device, backend):
+    """"Callers never branch on the backend": the CPU ops took no dispatch / out_dtype / out argument, had no
+    close() or `with`, rounded float32 or int hidden silently, and checked the layer only at its first call."""
+    rng = np.random.default_rng(5)
+    gate, up, down, x, ids, w = _moe_args(rng, E=4, m=3)
+    dev = device if backend == "vulkan" else None
+    want = ref.moe_forward(x, ids, w, gate, up, down, "silu")
+    with registry.create("exl3_moe_mlp", gate, up, down, backend=backend, device=dev) as moe:
+        assert _rel_rms(moe(x, ids, w, dispatch="split"), want) < 3e-3
+        y16 = moe(x, ids.tolist(), w, out_dtype=np.float16)
+        assert y16.dtype == np.float16 and _rel_rms(y16, want) < 3e-3
+        for bad, exc, match in [((x.astype(np.float32), ids, w), TypeError, "hidden must be float16"),
+                                ((x[:, :64], ids, w), ValueError, r"hidden: expected shape \(m, 128\)"),
+                                ((x, ids + 4, w), ValueError, r"expert_ids must lie in \[0, 4\)"),
+                                ((x, ids, w[:, :1]), ValueError, "expert_weights")]:
+            with pytest.raises(exc, match=match):
+                moe(*bad)
+        with pytest.raises(ValueError, match="dispatch argument='fast'"):
+            moe(x, ids, w, dispatch="fast")
+        with pytest.raises(ValueError, match="out_dtype"):
+            moe(x, ids, w, out_dtype=np.int32)
+        if backend == "cpu":
+            with pytest.raises(ValueError, match="out: the cpu backend returns numpy arrays"):
+                moe(x, ids, w, out="device")
+    with pytest.raises(Exception, match="this .*MoeMlp is closed"):
+        moe(x, ids, w)
+    for args, kw, exc, match in [((gate, up, down), dict(activation="nope"), ValueError, "activation"),
+                                 ((gate, up, down[:2]), {}, ValueError, "experts"),
+                                 ((gate, up, down), dict(act_limit=-1.0), ValueError, "act_limit"),
+                                 ((gate, up, down), dict(dispatch="fast"), ValueError, "dispatch"),
+                                 ((gate, up, ["x"] * 4), {}, TypeError, "down")]:
+        with pytest.raises(exc, match=match):
+            registry.create("exl3_moe_mlp", *args, backend=backend, device=dev, **kw)
+
+    t = up[0]
+    xl = rng.standard_normal((2, 128)).astype(np.float16)
+    with registry.create("exl3_linear", t, backend=backend, device=dev) as lin:
+        want = ref.linear_forward(xl, t)
+        assert lin(xl).dtype == np.float16 and _rel_rms(lin(xl), want) < 3e-3
+        y32 = lin(xl.astype(np.float32), out_dtype=np.float32)
+        assert y32.dtype == np.float32 and np.array_equal(y32, lin(xl).astype(np.float32))
+        with pytest.raises(TypeError, match="x: expected float16 or float32"):
+            lin(np.ones((2, 128), np.int32))
+        with pytest.raises(ValueError, match="x: float32 values beyond float16's range"):
+            lin(np.full((2, 128), 1e6, np.float32))
+    with pytest.raises(Exception, match="this .*Linear is closed"):
+        lin(xl)
+    with pytest.raises(TypeError, match="tensor must be a vkmoe.Exl3Tensor"):
+        registry.create("exl3_linear", "x", backend=backend, device=dev)

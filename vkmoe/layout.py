@@ -24,6 +24,8 @@ MOE_BINDINGS = 19       # descriptor bindings shared by every MoE shader (moe_bi
 ACTIVATIONS = {"silu": 0, "gelu": 1, "relu2": 2, "swiglu_oai": 3, "gelu_erf": 4}  # ACT_* (also native/vkn.h)
 GATELESS_ACTIVATIONS = ("relu2",)
 CODEBOOKS = {"3inst": 0, "mcg": 1, "mul1": 2}  # CB_*
+# The MoE op's launch modes (its dispatch= argument, VKMOE_DISPATCH): auto lets sched.plan decide.
+DISPATCH_MODES = ("auto", "persistent", "split")
 
 # Abort codes the persistent kernel leaves in sync word SYNC_ABORT (0 = it ran to the end); sync.glsl sets them.
 ABORT_SPIN, ABORT_LOCK, ABORT_BARRIER = 1, 2, 3

@@ -22,6 +22,8 @@ import numpy as np
 from typing import TYPE_CHECKING
 
 from . import knobs
+from .exl3 import Exl3Tensor
+from .ops.host_arrays import describe, dispatch_of, fp16_rows, host_array, out_dtype_of
 
 if TYPE_CHECKING:  # names used in type hints only
     from .vk import Device
@@ -31,6 +33,7 @@ __all__ = [
     "OPS",
     "RegistryError",
     "available",
+    "closed_error",
     "create",
     "default_device",
     "is_available",
@@ -271,51 +274,103 @@ def _vulkan_factory(op):
     return factory
 
 
-class CpuExl3Linear:
-    """vkmoe.cpu.linear behind Exl3Linear's call signature: x (m, k) fp16 -> (m, n) fp16."""
+def closed_error(op):
+    """vkmoe.vk's error for an op or block used after close() (closed_op_error), imported here so that the CPU
+    backend needs no Vulkan layer: where that cannot be imported, a ValueError with the same message."""
+    try:
+        from .vk.errors import closed_op_error
+    except Exception:  # (vkmoe.vk imports the binding, which needs the Vulkan loader)
+        return ValueError(f"this {type(op).__name__} is closed (its close() ran): make a new one")
+    return closed_op_error(op)
+
+
+def _host_out(out):
+    if out is not None:
+        raise ValueError(f"out: the cpu backend returns numpy arrays (out=None); got {out!r}, which needs the "
+                         "vulkan backend")
+
+
+class _CpuOp:
+    """What the CPU backend's ops share with the Vulkan ops around the call: close(), `with`, the closed error."""
 
     backend = "cpu"
+    _closed = False
+
+    def close(self):
+        """Nothing to free (the tensors stay the caller's); later calls raise, as a closed Vulkan op's do."""
+        self._closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _check_open(self):
+        if self._closed:
+            raise closed_error(self)
+
+
+class CpuExl3Linear(_CpuOp):
+    """vkmoe.cpu.linear behind Exl3Linear's call: x (m, k) float16 (or float32, rounded to float16) -> (m, n) of
+    out_dtype (float16 by default); the same argument checks."""
 
     def __init__(self, tensor, device=None):
         from . import cpu
+        if not isinstance(tensor, Exl3Tensor):
+            raise TypeError(f"tensor must be a vkmoe.Exl3Tensor, got {type(tensor).__name__}")
         self._cpu = cpu
         self.tensor = tensor
         self.k, self.n = tensor.k, tensor.n
 
-    def __call__(self, x):
-        x = np.asarray(x)
-        if x.ndim != 2 or x.shape[1] != self.k:
-            raise ValueError(f"x: expected shape (m, {self.k}), got {x.shape}")
-        return np.asarray(self._cpu.linear(np.ascontiguousarray(x, dtype=np.float16), self.tensor)).astype(np.float16)
+    def __call__(self, x, out=None, out_dtype=np.float16):
+        self._check_open()
+        dtype = out_dtype_of(out_dtype)
+        x = fp16_rows(x, self.k)
+        _host_out(out)
+        y = self._cpu.linear(x, self.tensor).astype(np.float16)  # the op's output precision
+        return y if dtype == np.float16 else y.astype(dtype)
 
     def __repr__(self):
         return f"CpuExl3Linear(k={self.k}, n={self.n})"
 
 
-class CpuExl3MoeMlp:
-    """vkmoe.cpu.moe_forward behind Exl3MoeMlp's call signature; `last_run` mirrors the op's."""
-
-    backend = "cpu"
+class CpuExl3MoeMlp(_CpuOp):
+    """vkmoe.cpu.moe_forward behind Exl3MoeMlp's call: hidden (m, H) float16, expert_ids, expert_weights ->
+    (m, H) of out_dtype (float32 by default); the same argument checks (the layer's when it is made); `dispatch` is
+    checked and has nothing to choose (one path); `last_run` mirrors the op's."""
 
     def __init__(self, gate, up, down, activation="silu", act_limit=0.0, dispatch=None, device=None):
         from . import cpu
+        from .exl3.reference import validate_moe_layer
+
+        self.E, self.H, self.I = validate_moe_layer(gate, up, down, activation, act_limit)
+        dispatch_of(dispatch)
         self._cpu = cpu
         self.gate, self.up, self.down = gate, up, down
         self.activation, self.act_limit = activation, float(act_limit)
-        self.num_experts = len(up)
+        self.num_experts = self.E
         self.last_run = None
 
-    def __call__(self, hidden, expert_ids, expert_weights):
+    def __call__(self, hidden, expert_ids, expert_weights, dispatch=None, out=None, out_dtype=np.float32):
         from .exl3.reference import check_op_routing
 
-        ids, w = np.asarray(expert_ids), np.asarray(expert_weights)
+        self._check_open()
+        dispatch_of(dispatch)
+        dtype = out_dtype_of(out_dtype)
+        _host_out(out)
+        h = host_array(hidden, "hidden")
+        if h.ndim != 2 or h.shape[1] != self.H:
+            raise ValueError(f"hidden: expected shape (m, {self.H}) float16, got {describe(h)}")
+        if h.dtype != np.float16:
+            raise TypeError(f"hidden must be float16, got {h.dtype}")
+        ids, w = host_array(expert_ids, "expert_ids"), host_array(expert_weights, "expert_weights")
         if ids.ndim == 2 and ids.dtype.kind in "iu" and w.shape == ids.shape:  # else moe_forward says what is wrong
-            check_op_routing(ids, w, self.num_experts)  # the same rules as the Vulkan op's __call__
-        out = self._cpu.moe_forward(np.asarray(hidden, dtype=np.float16), expert_ids, expert_weights,
-                                    self.gate, self.up, self.down, activation=self.activation,
-                                    act_limit=self.act_limit)
+            check_op_routing(ids, w, self.E)  # the same rules as the Vulkan op's __call__
+        y = self._cpu.moe_forward(h, ids, w, self.gate, self.up, self.down, activation=self.activation,
+                                  act_limit=self.act_limit)
         self.last_run = {"mode": "cpu", "backend": "cpu"}
-        return np.asarray(out, dtype=np.float32)
+        return np.asarray(y, dtype=dtype)
 
     def __repr__(self):
         return f"CpuExl3MoeMlp(experts={self.num_experts}, activation={self.activation!r})"

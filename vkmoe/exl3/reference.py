@@ -26,6 +26,7 @@ __all__ = [
     "moe_forward",
     "moe_forward_fp16",
     "validate_moe_args",
+    "validate_moe_layer",
 ]
 
 ACTIVATIONS = tuple(layout.ACTIVATIONS)
@@ -131,8 +132,8 @@ def _activate(g, u, activation: str, limit: float):
     return a * u
 
 
-def validate_moe_args(hidden, expert_ids, expert_weights, gate, up, down, activation, act_limit):
-    """Shared argument checks for every MoE implementation; returns (hidden, ids int64, weights, E, H, I)."""
+def validate_moe_layer(gate, up, down, activation, act_limit):
+    """The layer's checks of every MoE implementation (expert lists, activation, act_limit); returns (E, H, I)."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation: expected one of {', '.join(ACTIVATIONS)}, got {activation!r}")
     if (activation == "relu2") != (gate is None):
@@ -153,6 +154,18 @@ def validate_moe_args(hidden, expert_ids, expert_weights, gate, up, down, activa
         for i, t in enumerate(lst or ()):
             if (t.k, t.n) != (kk, nn):
                 raise ValueError(f"{name}[{i}]: expected shape {kk}x{nn} (k x n), got {t.k}x{t.n}")
+    try:
+        lim = float(act_limit)
+    except (TypeError, ValueError):
+        raise TypeError(f"act_limit: expected a number, got {act_limit!r}") from None
+    if not math.isfinite(lim) or lim < 0:
+        raise ValueError(f"act_limit: expected a finite value >= 0, got {act_limit!r}")
+    return E, H, I
+
+
+def validate_moe_args(hidden, expert_ids, expert_weights, gate, up, down, activation, act_limit):
+    """Shared argument checks for every MoE implementation; returns (hidden, ids int64, weights, E, H, I)."""
+    E, H, I = validate_moe_layer(gate, up, down, activation, act_limit)
     h = np.asarray(hidden)
     if h.ndim != 2 or h.shape[1] != H:
         raise ValueError(f"hidden: expected shape (m, {H}), got {h.shape}")
@@ -170,9 +183,6 @@ def validate_moe_args(hidden, expert_ids, expert_weights, gate, up, down, activa
         raise ValueError(f"expert_weights: expected the shape of expert_ids {ids.shape} (top_k mismatch), got {w.shape}")
     if not np.all(np.isfinite(w)):
         raise ValueError("expert_weights: contains NaN or Inf")
-    lim = float(act_limit)
-    if not math.isfinite(lim) or lim < 0:
-        raise ValueError(f"act_limit: expected a finite value >= 0, got {act_limit!r}")
     return h, ids.astype(np.int64), w, E, H, I
 
 

@@ -30,16 +30,6 @@ _HIDDEN_DTYPES = tuple(map(np.dtype, (np.float16, np.float32, np.float64)))
 _DeviceArray = None
 
 
-def _closed_error(block):
-    """vkmoe.vk's error for a block used after close() (imported here: the CPU backend must not need the Vulkan
-    layer; where it cannot be imported, a ValueError with the same message)."""
-    try:
-        from ..vk.errors import closed_op_error
-    except Exception:  # (vkmoe.vk imports the binding, which needs the Vulkan loader)
-        return ValueError(f"this {type(block).__name__} is closed (its close() ran): make a new one")
-    return closed_op_error(block)
-
-
 def _device_array_class():
     """vkmoe.ops.device_array.DeviceArray, imported on first use: the numpy path (and the CPU backend) must not need
     the Vulkan layer. Kept after that: a function-level import costs ~0.5 us, and the device path asks on every call."""
@@ -243,7 +233,7 @@ class SparseMoeBlock:
     def route(self, hidden, input_ids=None, dtype=np.float32, residual=None):
         """(expert ids int64 (m, top_k), routing weights (m, top_k) in `dtype`), router math in `dtype`."""
         if self._closed:
-            raise _closed_error(self)
+            raise registry.closed_error(self)
         hidden = self._check_hidden(hidden)  # (a 1-d hidden failed deep in the router: "not enough values to unpack")
         c = self.config
         dt = np.dtype(dtype)
@@ -270,7 +260,7 @@ class SparseMoeBlock:
         if self.device_block is not None:
             return self._device_call(hidden, input_ids, out, residual)
         if self._closed:  # (the CPU backend's ops hold no device memory, but a closed block is closed everywhere)
-            raise _closed_error(self)
+            raise registry.closed_error(self)
         self._refuse_device_arrays(hidden, out)
         h = self._check_hidden(hidden)
         m = h.shape[0]
@@ -318,7 +308,7 @@ class SparseMoeBlock:
 
     def _device_call(self, hidden, input_ids, out, residual):
         if self._closed:
-            raise _closed_error(self)
+            raise registry.closed_error(self)
         DeviceArray = _device_array_class()
         if not isinstance(hidden, DeviceArray):
             hidden = self._check_hidden(hidden)
@@ -353,7 +343,7 @@ class SparseMoeBlock:
         may read `out`. Returns the descriptor sets the commands use (free them when the recording is dropped)."""
         DeviceArray = _device_array_class()
         if self._closed:
-            raise _closed_error(self)
+            raise registry.closed_error(self)
         if self.device_block is None:
             raise ValueError(f"record() needs the whole block on a Vulkan device; it runs on {self.backend!r}")
         from ..ops.record_args import check_recorder

@@ -1,11 +1,17 @@
 """Arrays callers already have: numpy arrays, anything with `__dlpack__` on the CPU (a torch CPU tensor is read
-without a copy), anything with `__array__`, and Python lists (for ids). Also the ops' `out_dtype`.
+without a copy), anything with `__array__`, and Python lists (for ids). Also the ops' other call arguments that
+need no device (`out_dtype`, `dispatch`, a linear's host input), so that the CPU backend's ops (vkmoe.registry)
+check them with the same code on a machine without a Vulkan loader: this module imports only numpy and the leaf.
 
 Every failure names the argument, what was expected and what was received (type, shape, dtype).
 """
 from __future__ import annotations
 
 import numpy as np
+
+from ..layout import DISPATCH_MODES
+
+FP16_MAX = 65504.0
 
 OUT_DTYPES = (np.float16, np.float32)
 
@@ -63,3 +69,38 @@ def out_dtype_of(out_dtype) -> np.dtype:
     if dtype not in [np.dtype(d) for d in OUT_DTYPES]:
         raise ValueError(f"out_dtype: expected numpy.float16 or numpy.float32, got {out_dtype!r}")
     return dtype
+
+
+_MODES = {m: m for m in DISPATCH_MODES}  # the usual arguments, looked up as they are (on every call)
+
+
+def dispatch_of(dispatch):
+    """The checked `dispatch` argument of the MoE op: None (VKMOE_DISPATCH decides) or one of DISPATCH_MODES."""
+    if dispatch is None:
+        return None
+    mode = _MODES.get(dispatch) if type(dispatch) is str else None
+    if mode is not None:
+        return mode
+    mode = str(dispatch).strip().lower()
+    if mode not in DISPATCH_MODES:
+        raise ValueError(f"dispatch argument={dispatch!r}: expected one of {', '.join(DISPATCH_MODES)}")
+    return mode
+
+
+def fp16_rows(x, k: int, name: str = "x") -> np.ndarray:
+    """A linear's host input as the op computes on it: (m, k) float16, float32 rounded to float16 (refused beyond
+    its range, rather than turned into Inf)."""
+    if type(x) is not np.ndarray:  # (a numpy array, the usual case, skips the call)
+        x = host_array(x, name)
+    shape = x.shape
+    if len(shape) != 2 or shape[1] != k:
+        raise ValueError(f"{name}: expected shape (m, {k}) float16 or float32, got {describe(x)}")
+    if x.dtype == np.float32:  # rounded to float16, the op's input precision
+        if x.size and np.nanmax(np.abs(x)) > FP16_MAX:
+            raise ValueError(f"{name}: float32 values beyond float16's range (|{name}| <= {FP16_MAX:g}) cannot be "
+                             "rounded to the op's float16 input")
+        x = x.astype(np.float16)
+    if x.dtype != np.float16:
+        raise TypeError(f"{name}: expected float16 or float32 (rounded to float16, the op's input precision), got "
+                        f"{describe(x)}")
+    return x

@@ -15,7 +15,7 @@ from ..vk.errors import closed_op_error
 from . import kernels
 from .device_array import (CallTransfers, DeviceArray, RepeatedArrays, close_recording, last_gpu_ms,
                            make_room_for_bound, resolve_out)
-from .host_arrays import describe, host_array, out_dtype_of
+from .host_arrays import fp16_rows, out_dtype_of
 from .plan import gemm_plan
 from .record_args import all_or_nothing, check_buffers, check_recorder, check_rows
 from .recorded_call import RecordedCall
@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Optional
 if TYPE_CHECKING:  # names used in type hints only
     from ..vk import Buffer, Device
 
-FP16_MAX = 65504.0
 _F16 = np.dtype(np.float16)
 
 
@@ -34,20 +33,7 @@ def _check_x(x, k, device):
     call paths copy strided arrays too)."""
     if isinstance(x, DeviceArray):
         return x.check("x", device, (None, k), _F16)
-    if type(x) is not np.ndarray:  # (a numpy array, the usual case, skips the call)
-        x = host_array(x, "x")
-    shape = x.shape
-    if len(shape) != 2 or shape[1] != k:
-        raise ValueError(f"x: expected shape (m, {k}) float16 or float32, got {describe(x)}")
-    if x.dtype == np.float32:  # rounded to float16, the op's input precision
-        if x.size and np.nanmax(np.abs(x)) > FP16_MAX:
-            raise ValueError(f"x: float32 values beyond float16's range (|x| <= {FP16_MAX:g}) cannot be rounded to "
-                             "the op's float16 input")
-        x = x.astype(np.float16)
-    if x.dtype != np.float16:
-        raise TypeError(f"x: expected float16 or float32 (rounded to float16, the op's input precision), got "
-                        f"{describe(x)}")
-    return x
+    return fp16_rows(x, k)
 
 
 def had_in_kernel(device):

@@ -16,7 +16,7 @@ import numpy as np
 
 from .. import knobs, layout
 from ..exl3 import Exl3Tensor
-from ..layout import ACTIVATIONS, MAX_TOP_K, MOE_BINDINGS
+from ..layout import ACTIVATIONS, DISPATCH_MODES, MAX_TOP_K, MOE_BINDINGS
 from ..layout import ROUTE_MAX_EXPERTS as MAX_EXPERTS
 from ..sched import occupancy
 from ..sched.plan import DecisionInputs, coop_split_reason, decide, persistent_plan
@@ -28,7 +28,7 @@ from ..vk.errors import closed_op_error
 from ..vk.fastcall import BoundedRule, IndexRule
 from . import kernels
 from .device_array import CallTransfers, DeviceArray, RepeatedArrays, make_room_for_bound, resolve_out
-from .host_arrays import describe, host_array, out_dtype_of
+from .host_arrays import describe, dispatch_of, host_array, out_dtype_of
 from .plan import moe_plan
 from .record_args import all_or_nothing, check_buffers, check_recorder, check_rows
 from .recorded_call import HOT_CALLS_MAX, POISON_F32, RecordedCall
@@ -39,7 +39,6 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # names used in type hints only
     from ..vk import Buffer, Device
 
-DISPATCH_MODES = ("auto", "persistent", "split")
 # Checked on every call: dtype objects compare ~5x faster than a dtype with numpy scalar types (no conversion).
 _F16, _F32, _I32 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.int32)
 _WEIGHT_DTYPES = frozenset(map(np.dtype, (np.float16, np.float32, np.float64)))
@@ -131,20 +130,11 @@ def _check_experts(name, tensors, k, n, allow_none=False):
     return list(tensors)
 
 
-_MODES = {m: m for m in DISPATCH_MODES}  # the usual arguments, looked up as they are (on every call)
-
-
 def parse_dispatch(dispatch):
     """The dispatch mode: the argument wins, then VKMOE_DISPATCH, then "auto"."""
     if dispatch is None:
         return knobs.get("VKMOE_DISPATCH")
-    mode = _MODES.get(dispatch) if type(dispatch) is str else None
-    if mode is not None:
-        return mode
-    mode = str(dispatch).strip().lower()
-    if mode not in DISPATCH_MODES:
-        raise ValueError(f"dispatch argument={dispatch!r}: expected one of {', '.join(DISPATCH_MODES)}")
-    return mode
+    return dispatch_of(dispatch)
 
 
 class _Projection:
@@ -900,7 +890,7 @@ class Exl3MoeMlp:
         """A call's dispatch argument as its plans are keyed: None (VKMOE_DISPATCH, read when planning) or the
         mode it names (checked: a bad one raises)."""
         arg = dispatch if dispatch is not None else self._dispatch_arg
-        if arg is None or (type(arg) is str and arg in _MODES):
+        if arg is None or (type(arg) is str and arg in DISPATCH_MODES):
             return arg
         return parse_dispatch(arg)
 
