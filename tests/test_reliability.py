@@ -475,6 +475,12 @@ CLI_USAGE_ERRORS = [
     ("pipeline_stats", "--device", "7"),
     ("pipeline_stats", "--json", "/nonexistent-dir/x.json"),
     ("make_exl3_moe_checkpoint", "--out", "UNDER_A_FILE/ckpt"),
+    # negative seeds were a numpy traceback after the tool had started
+    ("bench_moe", "--small", "--seed", "-1"),
+    ("bench_linear", "--k", "128", "--n", "128", "--seed", "-1"),
+    ("bench_linear", "--k", "128", "--n", "128", "--warmup", "-1"),
+    ("make_exl3_moe_checkpoint", "--seed", "-1", "--out", "UNDER_A_FILE/ckpt"),
+    ("vkmoe", "demo", "--seed", "-1"),
 ]
 
 
@@ -482,7 +488,8 @@ CLI_USAGE_ERRORS = [
 def test_tool_argument_errors_are_usage_errors(argv, tmp_path):
     blocker = _write(tmp_path / "a-file", "x")
     args = [a.replace("UNDER_A_FILE", str(blocker)) for a in argv]
-    result = subprocess.run([sys.executable, os.path.join(REPO, "tools", args[0]), *args[1:]], capture_output=True,
+    command = ["-m", "vkmoe"] if args[0] == "vkmoe" else [os.path.join(REPO, "tools", args[0])]
+    result = subprocess.run([sys.executable, *command, *args[1:]], capture_output=True,
                             text=True, timeout=120, cwd=REPO, env=dict(os.environ, VKMOE_CACHE_DIR=str(tmp_path)))
     assert result.returncode == 2, (result.returncode, result.stderr[-2000:])
     assert "Traceback" not in result.stderr and "error:" in result.stderr, result.stderr[-2000:]

@@ -24,6 +24,7 @@ def int_range(low, high=None):
 
 
 positive_int = int_range(1)
+non_negative_int = int_range(0)  # e.g. --seed (numpy's generators refuse negative seeds with a traceback)
 
 
 def non_negative_float(text):

@@ -24,7 +24,7 @@ import runpy
 import sys
 
 from ._version import __version__
-from .argcheck import int_range
+from .argcheck import int_range, non_negative_int
 
 EXIT_OK, EXIT_ERROR, EXIT_FALLBACK = 0, 2, 3
 
@@ -139,7 +139,7 @@ def build_parser():
     pd.add_argument("--device", default=None, help=device_help)
     pd.add_argument("--experts", type=int, default=16, help="number of experts (default 16; >= 8)")
     pd.add_argument("--tokens", type=int, default=4, help="tokens in the batch (default 4)")
-    pd.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    pd.add_argument("--seed", type=non_negative_int, default=0, help="random seed (default 0)")
     pd.set_defaults(fn=cmd_demo)
 
     for name, (script, help_text) in TOOL_COMMANDS.items():
