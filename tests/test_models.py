@@ -206,6 +206,26 @@ def test_cpu_block_names_the_token_whose_routing_is_not_finite(qwen_dir, deepsee
         assert np.isfinite(block(x[[0, 2]])).all()
 
 
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("vulkan", marks=needs_vulkan_ops)])
+def test_block_refuses_float32_hidden_beyond_float16s_range(qwen_dir, deepseek_dir, backend, request):
+    """The experts take hidden in float16: 7e4 became Inf there and the token's row NaN (the vulkan backend) with no
+    word. Refused naming hidden, on both backends; 6e4 still runs."""
+    device = request.getfixturevalue("device") if backend == "vulkan" else None
+    for path, who in ((qwen_dir, "routed experts"), (deepseek_dir, "routed and shared experts")):
+        block = SparseMoeBlock.from_checkpoint(path, 0, backend=backend, device=device)
+        x = np.full((3, 256), 0.01, np.float32)
+        for big in (7e4, -7e4, np.inf):
+            x[1, 5] = big
+            with pytest.raises(ValueError, match=f"hidden: float32 values beyond float16's range.*the {who} take"):
+                block(x)
+        x[1, 5] = 6e4
+        with np.errstate(over="ignore", invalid="ignore"):  # (the big token's own row may overflow)
+            y, y64 = block(x), block(x.astype(np.float64))
+        assert y.shape == (3, 256) and np.isfinite(y[[0, 2]]).all()
+        np.testing.assert_array_equal(y64[[0, 2]], y[[0, 2]])
+        block.close()
+
+
 def test_block_picks_cpu_without_vulkan(qwen_dir):
     with registry.simulate_no_vulkan():
         block = SparseMoeBlock.from_checkpoint(qwen_dir, 0)

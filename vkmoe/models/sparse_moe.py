@@ -21,6 +21,7 @@ import numpy as np
 from .. import registry
 from ..exl3 import Exl3Tensor, load_exl3_tensor
 from ..exl3 import reference as ref
+from ..ops.host_arrays import FP16_MAX
 from .checkpoint import Checkpoint
 from .config import NORM_ROLES, CheckpointError, MissingTensorError, MoeConfig
 from .routing import router_logits, sigmoid_group_topk, softmax_topk, sqrtsp_hash, sqrtsp_topk
@@ -188,6 +189,17 @@ class SparseMoeBlock:
             raise TypeError(f"hidden: expected float16, float32 or float64, got dtype {h.dtype}")
         return h
 
+    def _check_fp16_range(self, h):
+        """hidden where experts take it in float16 (the routed ones, unless Gemma 4's norms feed them; the shared
+        ones): float32 / float64 values beyond float16's range became Inf there and the row NaN, without a word.
+        Refused, as Exl3Linear refuses such an x. NaN passes (each backend's own rule for it)."""
+        takers = [w for w, takes in (("routed", self.norms is None), ("shared", bool(self.shared))) if takes]
+        if h.dtype == np.float16 or not h.size or not takers:
+            return
+        if h.max() > FP16_MAX or h.min() < -FP16_MAX:
+            raise ValueError(f"hidden: {h.dtype} values beyond float16's range (|hidden| <= {FP16_MAX:g}): the "
+                             f"{' and '.join(takers)} experts take hidden in float16")
+
     def _hash_ids(self, input_ids, m):
         if input_ids is None:
             raise ValueError(f"input_ids: layer {self.layer_index} of {self.config.arch} is a hash-routed layer "
@@ -266,6 +278,7 @@ class SparseMoeBlock:
         m = h.shape[0]
         if m == 0:
             return np.zeros((0, self.config.hidden_size), np.float32)
+        self._check_fp16_range(h)
         ids, wts = self.route(h, input_ids, residual=residual)
         finite = np.isfinite(wts).all(axis=1)
         if not finite.all():  # (else the routed op would name expert_weights, which the caller never passed)
@@ -312,6 +325,7 @@ class SparseMoeBlock:
         DeviceArray = _device_array_class()
         if not isinstance(hidden, DeviceArray):
             hidden = self._check_hidden(hidden)
+            self._check_fp16_range(hidden)
             if hidden.dtype == np.float64:
                 hidden = hidden.astype(np.float32)  # the host router's precision
         tokens = self._device_tokens(input_ids, hidden.shape[0])
