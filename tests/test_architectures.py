@@ -506,6 +506,9 @@ def test_deepseek_v4_defaults():
     with pytest.raises(CheckpointError, match="num_hash_layers=3 needs 'vocab_size'"):
         MoeConfig.from_dict({"model_type": "deepseek_v4", "hidden_size": 256, "n_routed_experts": 8,
                              "num_experts_per_tok": 2, "moe_intermediate_size": 128})
+    with pytest.raises(CheckpointError, match="num_hash_layers=-1 must be >= 0"):
+        MoeConfig.from_dict({"model_type": "deepseek_v4", "hidden_size": 256, "n_routed_experts": 8,
+                             "num_experts_per_tok": 2, "moe_intermediate_size": 128, "num_hash_layers": -1})
 
 
 def test_nemotron_pattern_selects_moe_layers():

@@ -525,6 +525,8 @@ class MoeConfig:
             raise CheckpointError(
                 f"{src}: num_experts_per_tok={self.top_k} exceeds the experts in topk_group={self.topk_group} "
                 f"groups of {self.num_experts // self.n_group}")
+        if self.num_hash_layers < 0:  # (a negative count meant "no hash layer" without a word)
+            raise CheckpointError(f"{src}: num_hash_layers={self.num_hash_layers} must be >= 0")
         if self.num_hash_layers and self.vocab_size < 1:
             raise CheckpointError(f"{src}: num_hash_layers={self.num_hash_layers} needs 'vocab_size' (the rows "
                                   "of the tid2eid table)")
