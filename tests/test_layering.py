@@ -12,7 +12,7 @@ PACKAGE = os.path.join(REPO, "vkmoe")
 # Layer of each module prefix (the longest matching prefix wins) and the layers it may import from. The two leaf
 # modules import nothing from vkmoe; vk (the driver) and exl3 (the format) know nothing of each other.
 LAYER_OF = {
-    "vkmoe.layout": "leaf", "vkmoe.knobs": "leaf",
+    "vkmoe.layout": "leaf", "vkmoe.knobs": "leaf", "vkmoe.forksafe": "leaf",
     "vkmoe.vk": "vk", "vkmoe.exl3": "exl3", "vkmoe._native": "native", "vkmoe.cpu": "cpu",
     "vkmoe.sched": "sched", "vkmoe.ops": "ops", "vkmoe.registry": "registry", "vkmoe.models": "models",
     "vkmoe": "top",  # vkmoe/__init__.py, __main__, cli, demo: the entry points

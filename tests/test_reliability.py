@@ -1008,14 +1008,40 @@ def test_an_argument_of_a_second_device_object_of_the_same_gpu_says_so(dev, tiny
 
 # ------------------------------------------------------------------------------------------- fork()
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork() on this platform")
+def _in_fork_child(work, timeout):
+    """fork(); the child runs work(report) (a dict it fills), sends the report through a pipe and exits without
+    returning into pytest. Returns (report, wait status); a child that hangs past `timeout` s is killed and
+    reported as such."""
+    import json
+    import select
+    import signal
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        report = {}
+        try:
+            work(report)
+        except BaseException as exc:
+            report["unexpected"] = repr(exc)
+        os.write(write, json.dumps(report).encode())
+        os._exit(0)
+    os.close(write)
+    ready, _, _ = select.select([read], [], [], timeout)
+    if not ready:
+        os.kill(pid, signal.SIGKILL)
+    with os.fdopen(read) as f:
+        report = json.loads(f.read() or "{}") if ready else {"unexpected": f"the child hung for {timeout} s"}
+    _, status = os.waitpid(pid, 0)
+    return report, status
+
+
 def test_a_forked_child_gets_a_clear_error_and_can_open_its_own_device(tiny_layer):
     """Vulkan objects do not survive fork(). A child's call on the parent's device waited VKMOE_TIMEOUT (60 s) for a
     submission lavapipe never ran, then blamed the GPU, and a new Device in the child hung the same way (it reused
     the parent's VkInstance). Now the parent's objects raise DeviceClosedError at once saying why, closing them
     touches no handle of the parent's, a new Device in the child works (lavapipe) or says why it cannot (NVIDIA's
     driver refuses vkCreateDevice there), and the parent carries on unharmed."""
-    import json
-
     from vkmoe.ops.device_array import DeviceArray
     from vkmoe.vk import CommandRecorder, DeviceClosedError
 
@@ -1030,40 +1056,25 @@ def test_a_forked_child_gets_a_clear_error_and_can_open_its_own_device(tiny_laye
     rec.fill(xd.buffer, 0, nbytes=4)
     rec.end()
     rec.submit(wait=False)  # (still noted as unwaited at the fork)
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: report through the pipe, never return into pytest
-        report = {}
-        try:
-            t0 = time.monotonic()
-            try:
-                moe(x, ids, w)
-            except DeviceClosedError as exc:
-                report["error"] = str(exc)
-            report["seconds"] = time.monotonic() - t0
-            for thing in (rec, xd, moe, d):  # the parent's: closing them must not touch its handles
-                thing.close()
-            try:
-                d2 = vkmoe.Device()
-            except vkmoe.VkmoeError as exc:  # (NVIDIA's driver refuses a device in a fork child: the error says so)
-                report["own_device"] = str(exc)
-            else:
-                with d2, vkmoe.Exl3MoeMlp(d2, L.gate, L.up, L.down, activation="silu", dispatch="split") as moe2:
-                    report["own_device"] = bool(np.array_equal(moe2(x, ids, w), expect))
-        except BaseException as exc:
-            report["unexpected"] = repr(exc)
-        os.write(write, json.dumps(report).encode())
-        os._exit(0)
-    os.close(write)
-    import select
-    import signal
 
-    ready, _, _ = select.select([read], [], [], 120)  # (a child that hangs, as before the fix, is killed)
-    if not ready:
-        os.kill(pid, signal.SIGKILL)
-    with os.fdopen(read) as f:
-        report = json.loads(f.read() or "{}") if ready else {"unexpected": "the child hung for 120 s"}
-    _, status = os.waitpid(pid, 0)
+    def child(report):
+        t0 = time.monotonic()
+        try:
+            moe(x, ids, w)
+        except DeviceClosedError as exc:
+            report["error"] = str(exc)
+        report["seconds"] = time.monotonic() - t0
+        for thing in (rec, xd, moe, d):  # the parent's: closing them must not touch its handles
+            thing.close()
+        try:
+            d2 = vkmoe.Device()
+        except vkmoe.VkmoeError as exc:  # (NVIDIA's driver refuses a device in a fork child: the error says so)
+            report["own_device"] = str(exc)
+        else:
+            with d2, vkmoe.Exl3MoeMlp(d2, L.gate, L.up, L.down, activation="silu", dispatch="split") as moe2:
+                report["own_device"] = bool(np.array_equal(moe2(x, ids, w), expect))
+
+    report, status = _in_fork_child(child, 120)  # (a child that hangs, as before the fix, is killed)
     assert "unexpected" not in report, report
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
     assert "forked from" in report.get("error", "") and "fork()" in report["error"], report
@@ -1076,6 +1087,75 @@ def test_a_forked_child_gets_a_clear_error_and_can_open_its_own_device(tiny_laye
     assert np.array_equal(moe(xd, ids, w), moe(x * np.float16(0) + xd.numpy(), ids, w))
     assert np.array_equal(moe(x, ids, w), expect)
     rec.close(), xd.close(), moe.close()
+    assert not d.take_validation_messages()
+    d.close()
+
+
+def test_a_fork_while_other_threads_hold_vkmoes_locks_does_not_hang_the_child(tiny_layer):
+    """fork() copies every lock as the parent's threads held it: a child whose parent had a thread inside an op call
+    (its call lock), a cache lookup or a recorder's close hung forever on its first call instead of raising the
+    forked-device error; a sharded layer's pool had no threads there, so its call never ran. Here a parent thread
+    holds those locks across the fork, deterministically; the child must raise at once, close everything, run the
+    CPU tier and ask the registry."""
+    import threading
+
+    from vkmoe import cpu, registry
+    from vkmoe.ops import kernels
+    from vkmoe.ops.sharded import ShardedMoeMlp
+    from vkmoe.sched import residency
+    from vkmoe.vk import CommandRecorder, DeviceClosedError
+
+    L, c = tiny_layer, tiny_layer.calls[0]
+    x, ids, w = c["x"], c["selected"], c["weights"]
+    d = vkmoe.Device()
+    moe = vkmoe.Exl3MoeMlp(d, L.gate, L.up, L.down, activation="silu", dispatch="split")
+    lin = vkmoe.Exl3Linear(d, L.up[0])
+    sharded = ShardedMoeMlp([d, d], L.gate, L.up, L.down, activation="silu")
+    rec = CommandRecorder(d)
+    expect = moe(x, ids, w)
+    assert np.array_equal(sharded(x, ids, w), expect)
+    cpu_expect = cpu.moe_forward(x, ids, w, L.gate, L.up, L.down, "silu")
+    locks = [moe._call_lock, lin._call_lock, rec._close_lock, cpu._LIST_LOCK, registry._lock, residency._lock,
+             kernels._lock] + [sh._call_lock for sh in sharded.shards]
+    held, done = threading.Event(), threading.Event()
+
+    def holder():
+        for lock in locks:
+            lock.acquire()
+        held.set()
+        done.wait(60)
+        for lock in reversed(locks):
+            lock.release()
+
+    t = threading.Thread(target=holder)
+    t.start()
+    assert held.wait(10)
+
+    def child(report):
+        report["errors"] = []
+        t0 = time.monotonic()
+        for name, call in (("moe", lambda: moe(x, ids, w)), ("linear", lambda: lin(x)),
+                           ("sharded", lambda: sharded(x, ids, w))):
+            try:
+                call()
+            except DeviceClosedError:
+                report["errors"].append(name)
+        for thing in (rec, sharded, lin, moe, d):
+            thing.close()
+        report["cpu"] = bool(np.array_equal(cpu.moe_forward(x, ids, w, L.gate, L.up, L.down, "silu"), cpu_expect))
+        report["registry"] = ("exl3_moe_mlp", "cpu") in registry.available()
+        report["seconds"] = time.monotonic() - t0
+
+    report, _ = _in_fork_child(child, 60)  # (a child that hangs, as before the fix, is killed)
+    done.set()
+    t.join(10)
+    assert "unexpected" not in report, report
+    assert report["errors"] == ["moe", "linear", "sharded"] and report["cpu"] and report["registry"], report
+    assert report["seconds"] < 20, report
+    # the parent's objects carry on once its thread let go of the locks
+    assert np.array_equal(moe(x, ids, w), expect) and np.array_equal(sharded(x, ids, w), expect)
+    for thing in (rec, sharded, lin, moe):
+        thing.close()
     assert not d.take_validation_messages()
     d.close()
 

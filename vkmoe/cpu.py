@@ -6,7 +6,6 @@ Same arguments and semantics as `vkmoe.exl3.reference`; results are float32. Bui
 from __future__ import annotations
 
 import os
-import threading
 from collections import OrderedDict
 
 import numpy as np
@@ -20,6 +19,7 @@ except ImportError as exc:  # pragma: no cover - exercised only on unbuilt check
         f"gcc or clang is required). Original error: {exc}"
     ) from exc
 
+from . import forksafe
 from .exl3 import Exl3Tensor
 from .layout import ACTIVATIONS as _ACT
 from .layout import CODEBOOKS as _CB_INDEX
@@ -100,7 +100,7 @@ def _fill(struct, t: Exl3Tensor):
 # and without it a thread's hit could be evicted by another between the lookup and the refresh (a KeyError).
 _LIST_CACHE: "OrderedDict" = OrderedDict()
 _LIST_CACHE_SIZE = 16
-_LIST_LOCK = threading.Lock()
+_LIST_LOCK = forksafe.Lock()
 
 
 def _tensor_array(lst):

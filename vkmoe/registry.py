@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import threading
 
 import numpy as np
 
 from typing import TYPE_CHECKING
 
-from . import knobs
+from . import forksafe, knobs
 from .exl3 import Exl3Tensor
 from .ops.host_arrays import describe, dispatch_of, fp16_rows, host_array, out_dtype_of
 
@@ -63,7 +62,7 @@ class _Entry:
 
 
 _entries: dict = {}  # (op, backend) -> _Entry, in registration order
-_lock = threading.RLock()
+_lock = forksafe.RLock()
 
 
 def register(op: str, backend: str, factory, available_fn=None, replace: bool = False) -> None:

@@ -20,11 +20,10 @@ shared up GEMM), so the routed experts start one phase later and run at the late
 sum; then fp16(sum), fc2_latent_proj's Hadamard, its GEMM and out = fp32(fc2), each a phase, before the shared sum.
 """
 from collections import OrderedDict
-import threading
 
 import numpy as np
 
-from .. import knobs, layout
+from .. import forksafe, knobs, layout
 from ..vk import CommandRecorder, PushConstants, expect_device, fastcall
 from ..vk.errors import closed_op_error
 from . import kernels
@@ -134,7 +133,7 @@ class DeviceMoeBlock:
                               # itself; close() empties the hot calls, so every call and record gets there)
         self._dummy = device.memory.allocate(16)  # the token ids of a router that reads none
         self._transfers = CallTransfers(device)
-        self._lock = threading.RLock()  # one call at a time: the scratch and io buffers are per block
+        self._lock = forksafe.RLock()  # one call at a time: the scratch and io buffers are per block
         self.last_gpu_time = None  # the last call's vkmoe.vk.GpuTime (last_gpu_ms reads it)
         self.last_mode = None
 

@@ -3,17 +3,16 @@
 import functools
 import hashlib
 import os
-import threading
 import weakref
 
-from .. import knobs
+from .. import forksafe, knobs
 from ..exl3.decode import MUL1_C0, MUL1_C1
 from ..layout import COOP_ROWS_WIDE, HAD_SUBGROUP_MAX, HAD_SUBGROUP_MIN, SPEC_F16_FMA_FUSED, SPEC_HAD_SUBGROUP
 from ..vk import Pipeline, PushConstants, VkmoeError, spirv
 from ..vk.pipeline import SPV_DIR, load_spirv
 from ..vk.quirks import measure_f16_fma_rounds_once
 
-_lock = threading.Lock()
+_lock = forksafe.Lock()
 _pipelines = weakref.WeakKeyDictionary()  # device -> {(name, spec): Pipeline}; the device destroys them on close
 _fma_fused = weakref.WeakKeyDictionary()  # device -> f16_fma_fused (one tiny dispatch per device and process)
 FP16_1024 = 0x6400  # fp16 bits of 1024.0: mul1 decodes (1024 + B) * c1 + c0 for byte sums B in 0..1020

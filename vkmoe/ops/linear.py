@@ -3,12 +3,11 @@
 Two dispatches: the input Hadamard (fp16 rows, suh applied), then the GEMM with the output Hadamard fused
 (one workgroup per 128-column band and k-split; the last split of a band finishes it)."""
 from collections import OrderedDict
-import threading
 import weakref
 
 import numpy as np
 
-from .. import knobs, layout
+from .. import forksafe, knobs, layout
 from ..exl3 import Exl3Tensor
 from ..vk import CommandRecorder, expect_device
 from ..vk.errors import closed_op_error
@@ -119,7 +118,7 @@ class Exl3Linear:
         # again (RepeatedArrays), least recently used first, at most BOUND_RECORDINGS per m; they go with _io[m]
         self._bound = OrderedDict()
         self._repeated = RepeatedArrays()
-        self._call_lock = threading.RLock()  # one call at a time per layer; no eviction under a running one
+        self._call_lock = forksafe.RLock()  # one call at a time per layer; no eviction under a running one
         self._transfers = CallTransfers(device)  # DeviceArray copies riding on a call's one submission
         self._owned = [self._trellis, self._suh, self._svh, self._bias]
         self._last_submission = None  # (recorder, submission number) of the last call; last_gpu_time

@@ -7,14 +7,13 @@ barriers or as one persistent dispatch with spin barriers (vkmoe.sched decides; 
 from collections import OrderedDict
 import dataclasses
 import functools
-import threading
 import time
 from typing import NamedTuple
 import weakref
 
 import numpy as np
 
-from .. import knobs, layout
+from .. import forksafe, knobs, layout
 from ..exl3 import Exl3Tensor
 from ..layout import ACTIVATIONS, DISPATCH_MODES, MAX_TOP_K, MOE_BINDINGS
 from ..layout import ROUTE_MAX_EXPERTS as MAX_EXPERTS
@@ -445,7 +444,7 @@ class Exl3MoeMlp:
                               # every call, record and stage list gets there)
         # One forward at a time per layer (the io and scratch buffers are per layer), and no eviction under a
         # running one; reentrant: _forward holds it around _launch_locked.
-        self._call_lock = threading.RLock()
+        self._call_lock = forksafe.RLock()
         self._transfers = CallTransfers(device)      # DeviceArray copies riding on a call's one submission
         self._split_path = _SplitPath(self)
         self._check_routing = functools.partial(_check_call_routing, E)  # a __call__'s routing rules (_submit)

@@ -2,10 +2,9 @@
 from dataclasses import dataclass
 
 import os
-import threading
 import weakref
 
-from .. import knobs
+from .. import forksafe, knobs
 from ..layout import (BAND, COOP_KSTEP, COOP_MOE_ROWS, COOP_ROWS_NARROW, COOP_ROWS_WIDE, COOP_SHAPE, COOP_SUBGROUP,
                       DIRECT_MAX_KT, MOE_ROWS_MAX, STAGE3_IN_DOWN_MAX_UNITS, TILE, ceil_div, coop_moe_shared_bytes,
                       coop_shared_bytes)
@@ -104,7 +103,7 @@ def coop_unavailable(device):
 # for auto mode to trust a device's matrix unit with this SPIR-V.
 COOP_PROBE_TOLERANCE = 1e-3
 _probe_verdicts = weakref.WeakKeyDictionary()  # device -> None (the probe passed) or why it failed
-_probe_lock = threading.Lock()
+_probe_lock = forksafe.Lock()
 
 
 def coop_probe_failure(device):

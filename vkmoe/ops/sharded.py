@@ -11,6 +11,7 @@ however the experts are placed.
 Cross-host distribution is out of scope: a runtime places shards on several hosts with its own transport and sums
 the per-slot rows in slot order the same way.
 """
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -83,7 +84,15 @@ class ShardedMoeMlp:
             self.close()
             raise
         self.H = self.shards[0].H
+        self._make_pool()
+
+    def _make_pool(self):
+        """One thread per shard. Per process: a fork() child has none of the parent's pool threads, so work given
+        to the parent's pool there would never run (the call would hang instead of raising the forked-device
+        error)."""
         self._pool = ThreadPoolExecutor(max_workers=len(self.shards), thread_name_prefix="vkmoe-shard")
+        self._pool_pid = os.getpid()
+        return self._pool
 
     @classmethod
     def from_shards(cls, shards, ranges):
@@ -104,7 +113,7 @@ class ShardedMoeMlp:
             shard.plan_experts = self.E
             shard.rows_kind = "readback"
         self.H = self.shards[0].H
-        self._pool = ThreadPoolExecutor(max_workers=len(self.shards), thread_name_prefix="vkmoe-shard")
+        self._make_pool()
         return self
 
     @classmethod
@@ -136,6 +145,8 @@ class ShardedMoeMlp:
         shards, pool = self.shards, self._pool  # (close() may run in another thread: read each once)
         if not shards or pool is None:
             raise closed_op_error(self)
+        if self._pool_pid != os.getpid():  # a fork() child: its own threads (the shards then say the device is gone)
+            pool = self._make_pool()
         hidden = host_array(hidden, "hidden")
         expert_ids, expert_weights = host_array(expert_ids, "expert_ids"), host_array(expert_weights, "expert_weights")
         # The op's own checks, with ids addressing the whole layer's experts.
@@ -166,7 +177,8 @@ class ShardedMoeMlp:
         self.shards = []
         pool = getattr(self, "_pool", None)
         if pool is not None:
-            pool.shutdown(wait=True)
+            if self._pool_pid == os.getpid():  # (a fork() child has none of the parent's pool threads to wait for)
+                pool.shutdown(wait=True)
             self._pool = None
 
     def __enter__(self):

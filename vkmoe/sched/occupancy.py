@@ -7,10 +7,10 @@ the discovery dispatches, this module chooses the poll bounds, runs them, reads 
 and in the residency cache, per (driver + device, pipeline key). The persistent plan never launches more
 workgroups than this count.
 """
-import threading
 
 import numpy as np
 
+from .. import forksafe
 from ..vk import CommandRecorder
 from . import residency
 from .probe import (BASE_SHARED_BYTES, DEFAULT_WORKGROUP_SIZE, HOST_TIMEOUT_S, SLOT_WORDS, SpinBudget,
@@ -20,7 +20,7 @@ REPEATS = 3              # the plan takes the smallest clean count
 LAUNCH_PER_CU = 16       # more 256-invocation workgroups per compute unit than any device keeps resident
 PARAM_WORDS = 12         # OCC_PARAMS in occupancy.glsl: open, wait and lock iterations, written by the host
 
-_lock = threading.Lock()
+_lock = forksafe.Lock()
 _measured = {}           # (device key, pipeline key) -> measurement
 _budgets = {}            # device key -> SpinBudget
 

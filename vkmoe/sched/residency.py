@@ -10,14 +10,14 @@ result measured with 3 worker threads must never plan a grid for a process runni
 """
 import copy
 import os
-import threading
 import time
 
+from .. import forksafe
 from ..vk.cachefile import cache_path as _cache_path, location_key, read_json, warn, write_json
 
 FILENAME = "residency.json"
 FORMAT = 1  # bump when the entry layout changes; entries of another format are ignored
-_lock = threading.Lock()
+_lock = forksafe.Lock()
 _unsaved = {}  # device key -> entries stored by this process that the file could not take (kept in memory)
 
 

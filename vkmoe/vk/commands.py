@@ -7,14 +7,13 @@ submit + wait took 71.6 us sleeping in vkWaitForFences and 42.9 us spinning)."""
 import contextlib
 import functools
 import math
-import threading
 import time
 import weakref
 
 import numpy as np
 import vulkan as vk
 
-from .. import knobs
+from .. import forksafe, knobs
 from .errors import TimeoutError, VkmoeError, call, check, foreign_device_error
 
 ffi = vk.ffi
@@ -213,7 +212,7 @@ class CommandRecorder:
         bits = device.timestamp_valid_bits
         self._stamp_mask = (1 << bits) - 1 if bits < 64 else (1 << 64) - 1
         self._stamp_period_ms = device.limits.timestampPeriod * 1e-6
-        self._stamp_lock = threading.Lock()
+        self._stamp_lock = forksafe.Lock()
         self._gpu_time = None  # a weak reference to the GpuTime of the last submission (see gpu_time())
         self._next_timestamp = 0
         self._keep = []  # descriptor sets and push data referenced by the recorded commands
@@ -224,7 +223,7 @@ class CommandRecorder:
         self._untracked = untracked
         # close() from two threads (the owner's and the device's close) freed everything twice: one at a time, and
         # a nested close() on the same thread (a finalizer that a collection runs inside it) does nothing.
-        self._close_lock = threading.RLock()
+        self._close_lock = forksafe.RLock()
         self._closing = False
         device.in_flight.add(self)
         if not untracked:

@@ -1,11 +1,11 @@
 """Driver quirks found by measurement, cached per (driver, device) in the vkmoe cache directory."""
-import threading
 
 import numpy as np
 
+from .. import forksafe
 from .cachefile import cache_dir, read_json, warn, write_json  # noqa: F401 - cache_dir: the caches' home
 
-_lock = threading.Lock()
+_lock = forksafe.Lock()
 PROBE_ITERATIONS = 200_000  # well past lavapipe 22.3's 65,535 cap, cheap everywhere
 FILENAME = "quirks.json"
 _measured = {}  # device identity -> quirks measured by this process (what counts when the file cannot be written)
