@@ -350,6 +350,56 @@ def test_recorded_copies_and_fills_are_checked(dev):
         other.close()
 
 
+def test_a_descriptor_set_freed_by_a_finalizer_inside_bind_does_not_hang(monkeypatch):
+    """A garbage collection inside bind() (cffi allocates there) finalized a layer whose descriptor sets came from
+    the same pipeline's pools; its free() took the pools' lock again on the same thread, which hung the test suite.
+    Here the collection is simulated deterministically: the first descriptor write of a bind() frees another set
+    of the pool. A device of its own, left open if bind() hangs (its close would wait for the stuck call)."""
+    import threading
+
+    import vulkan as vk
+
+    d = vkmoe.Device()
+    pipe = Pipeline(d, SAXPY, push=SaxpyPush)
+    bx, by = d.memory.allocate(256), d.memory.allocate(256)
+    victim = pipe.bind(bx, by)
+    real = vk.VkDescriptorBufferInfo
+    calls = []
+
+    def finalizer_inside(*args, **kw):
+        if not calls:
+            calls.append(1)
+            victim.free()  # what a finalizer run by a collection here does
+        return real(*args, **kw)
+
+    monkeypatch.setattr(vk, "VkDescriptorBufferInfo", finalizer_inside)
+    made = []
+    t = threading.Thread(target=lambda: made.append(pipe.bind(bx, by)), daemon=True)
+    t.start()
+    t.join(20)
+    if t.is_alive():
+        pytest.fail("bind() hung on the descriptor pools' lock")
+    monkeypatch.setattr(vk, "VkDescriptorBufferInfo", real)
+    with d:
+        assert calls and victim.closed and len(made) == 1 and not made[0].closed
+        # the pools' counts stayed right: sets keep coming, and the bound set runs
+        n = 64
+        x, y = np.arange(n, dtype=np.float32), np.ones(n, np.float32)
+        bx.upload(x)
+        by.upload(y)
+        with CommandRecorder(d) as rec:
+            rec.begin()
+            rec.dispatch(pipe, made[0], 1, pipe.push(a=2.0, n=n))
+            rec.end()
+            rec.submit()
+        np.testing.assert_array_equal(by.download(np.float32), 2.0 * x + 1.0)
+        sets = [pipe.bind(bx, by) for _ in range(70)]  # past one pool of 64
+        for ds in sets + made:
+            ds.free()
+        bx.close(), by.close(), pipe.close()
+        assert not d.take_validation_messages()
+
+
 def test_dispatch_checks_its_pipeline_and_descriptor_set(dev):
     """A closed pipeline crashed the driver in vkCmdBindPipeline, and a buffer of another Device object bound into a
     descriptor set crashed it in vkUpdateDescriptorSets; a freed set, a set whose buffer was closed after bind()

@@ -7,11 +7,11 @@ not declare is an error.
 """
 import os
 import struct
-import threading
 
 import numpy as np
 import vulkan as vk
 
+from .. import forksafe
 from . import spirv
 from .errors import VkmoeError, call, check, foreign_device_error
 from .statistics import pipeline_statistics
@@ -109,7 +109,7 @@ class Pipeline:
         self._full_subgroups = full_subgroups
         self.handle = self.layout = self.set_layout = self._module = None
         self._closed = False
-        self._free_lock = threading.Lock()
+        self._free_lock = forksafe.Lock()
         with device.use():  # a concurrent Device.close() waits until the pipeline exists and is tracked
             try:
                 self._create_objects(code, given, required_subgroup_size)
@@ -282,7 +282,11 @@ class _DescriptorPools:
         self.device = device
         self.binding_count = max(1, binding_count)
         self.pools = []  # [handle, free slots]
-        self._lock = threading.Lock()  # descriptor pools are externally synchronised in Vulkan
+        # Descriptor pools are externally synchronised in Vulkan. Reentrant: a garbage collection that runs inside
+        # allocate() (cffi allocates there) may finalize a layer whose sets come from these pools, and its free()
+        # then takes the lock again on the same thread (a plain lock hung there, seen in the test suite). Freeing
+        # a set inside allocate() is sound: both keep the counts of their own pool entry, one step each.
+        self._lock = forksafe.RLock()
 
     def _new_pool(self):
         size = vk.VkDescriptorPoolSize(type=vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER,
