@@ -183,7 +183,7 @@ def test_random_helpers_reject_bad_arguments(call, match):
 
 # ------------------------------------------------------------------------------------------ library manners
 def test_cache_dir_from_platformdirs_unless_overridden(tmp_path, monkeypatch):
-    import platformdirs
+    platformdirs = pytest.importorskip("platformdirs")  # (the next test covers an environment without it)
 
     from vkmoe.vk.quirks import cache_dir
 
@@ -193,6 +193,35 @@ def test_cache_dir_from_platformdirs_unless_overridden(tmp_path, monkeypatch):
     assert not os.path.exists(cache_dir())  # created only when a cache file is stored (vkmoe/vk/cachefile.py)
     monkeypatch.setenv("VKMOE_CACHE_DIR", str(tmp_path / "own"))
     assert cache_dir() == str(tmp_path / "own")
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="the POSIX rules are checked here")
+def test_cache_dir_without_platformdirs_is_platformdirs_answer(tmp_path, monkeypatch):
+    """A declared dependency, but an environment without it (seen on a GPU machine's image) failed every auto-mode
+    op call with ModuleNotFoundError: the residency cache's directory is looked up there. Now the same directory
+    comes from the same variables without it."""
+    from vkmoe.vk import cachefile
+
+    try:
+        import platformdirs
+    except ImportError:
+        platformdirs = None
+    monkeypatch.delenv("VKMOE_CACHE_DIR", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for xdg in (str(tmp_path / "xdg"), "relative/ignored", None):
+        if xdg is None:
+            monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+        else:
+            monkeypatch.setenv("XDG_CACHE_HOME", xdg)
+        monkeypatch.setattr(cachefile, "_platform_dirs", {})
+        monkeypatch.setitem(sys.modules, "platformdirs", None)  # import platformdirs raises ImportError
+        got = cachefile.cache_dir()
+        monkeypatch.delitem(sys.modules, "platformdirs")
+        if platformdirs is not None:
+            assert got == platformdirs.user_cache_dir("vkmoe", appauthor=False), xdg
+        if sys.platform != "darwin":
+            assert got == (os.path.join(xdg, "vkmoe") if xdg and os.path.isabs(xdg)
+                           else str(tmp_path / "home" / ".cache" / "vkmoe")), xdg
 
 
 def test_library_calls_print_nothing(tmp_path, capfd):

@@ -29,10 +29,25 @@ def cache_dir():
     key = location_key()
     found = _platform_dirs.get(key)
     if found is None:
-        import platformdirs  # only when needed: a host given VKMOE_CACHE_DIR does not need the package
-
-        found = _platform_dirs[key] = platformdirs.user_cache_dir("vkmoe", appauthor=False)
+        try:
+            import platformdirs  # only when needed: a host given VKMOE_CACHE_DIR does not need the package
+        except ImportError:  # (a dependency, but an environment installed without it must still run every op)
+            found = _platform_dirs[key] = _fallback_cache_dir()
+        else:
+            found = _platform_dirs[key] = platformdirs.user_cache_dir("vkmoe", appauthor=False)
     return found
+
+
+def _fallback_cache_dir():
+    """platformdirs' answer where it matters, without it: $XDG_CACHE_HOME/vkmoe or ~/.cache/vkmoe (Linux and other
+    POSIX systems), ~/Library/Caches/vkmoe (macOS), %LOCALAPPDATA%\\vkmoe\\Cache (Windows)."""
+    if sys.platform == "win32":
+        base = knobs.environ_text("LOCALAPPDATA") or os.path.join(os.path.expanduser("~"), "AppData", "Local")
+        return os.path.join(base, "vkmoe", "Cache")
+    if sys.platform == "darwin":
+        return os.path.join(os.path.expanduser("~"), "Library", "Caches", "vkmoe")
+    xdg = (knobs.environ_text("XDG_CACHE_HOME") or "").strip()
+    return os.path.join(xdg if os.path.isabs(xdg) else os.path.join(os.path.expanduser("~"), ".cache"), "vkmoe")
 
 
 # What platformdirs' user cache directory depends on here: $XDG_CACHE_HOME, else ~ ($HOME) on Linux and macOS;
