@@ -481,6 +481,9 @@ CLI_USAGE_ERRORS = [
     ("bench_linear", "--k", "128", "--n", "128", "--warmup", "-1"),
     ("make_exl3_moe_checkpoint", "--seed", "-1", "--out", "UNDER_A_FILE/ckpt"),
     ("vkmoe", "demo", "--seed", "-1"),
+    ("vkmoe", "demo", "--experts", "4"),
+    ("vkmoe", "demo", "--experts", "100000"),  # (past the op's 1024: it built the layer first)
+    ("vkmoe", "demo", "--tokens", "0"),
 ]
 
 
@@ -494,6 +497,20 @@ def test_tool_argument_errors_are_usage_errors(argv, tmp_path):
     assert result.returncode == 2, (result.returncode, result.stderr[-2000:])
     assert "Traceback" not in result.stderr and "error:" in result.stderr, result.stderr[-2000:]
     assert not os.path.exists(tmp_path / "ckpt")
+
+
+def test_a_command_whose_batch_the_device_refuses_says_so_and_exits_2(device, tmp_path):
+    """`vkmoe demo --tokens N` past the device's buffers was a traceback and exit 1, which the demo's contract
+    reserves for FAIL (a wrong result); the library's named refusal is now the command's one-line error, exit 2."""
+    need_per_token = 8 * 2048 * 2  # top-8 rows of the demo's hidden 2048 in fp16: the op's stage-1 buffer
+    tokens = device.limits.maxStorageBufferRange // need_per_token + 1
+    if tokens > 20000:
+        pytest.skip(f"this device's buffers hold {tokens - 1} tokens: the demo's host arrays would be the test")
+    result = subprocess.run([sys.executable, "-m", "vkmoe", "demo", "--tokens", str(tokens)], capture_output=True,
+                            text=True, timeout=300, cwd=REPO, env=dict(os.environ, VKMOE_CACHE_DIR=str(tmp_path)))
+    assert result.returncode == 2, (result.returncode, result.stderr[-2000:])
+    assert "Traceback" not in result.stderr and "vkmoe demo: error: hidden:" in result.stderr, result.stderr[-2000:]
+    assert "maxStorageBufferRange" in result.stderr
 
 
 def test_linear_dropped_without_close_frees_its_memory(dev, tiny_layer):

@@ -24,7 +24,8 @@ import runpy
 import sys
 
 from ._version import __version__
-from .argcheck import int_range, non_negative_int
+from .argcheck import int_range, non_negative_int, positive_int
+from .layout import ROUTE_MAX_EXPERTS
 
 EXIT_OK, EXIT_ERROR, EXIT_FALLBACK = 0, 2, 3
 
@@ -65,9 +66,6 @@ def cmd_demo(args):
     # ---- (vkmoe/demo.py). Exit 0 = PASS, 1 = FAIL (relative RMS error vs the CPU tier > 3e-3), 2 = error.
     from .demo import run
 
-    if args.experts < 8 or args.tokens < 1:
-        print("vkmoe demo: --experts must be >= 8 (top-8) and --tokens >= 1", file=sys.stderr)
-        return EXIT_ERROR
     return EXIT_OK if run(device=args.device, experts=args.experts, tokens=args.tokens, seed=args.seed) else 1
 
 
@@ -137,8 +135,9 @@ def build_parser():
                                     "mul1), runs it on the device (auto dispatch, or VKMOE_DISPATCH) and compares "
                                     "with vkmoe.cpu. Exit: 0 PASS, 1 FAIL, 2 error.")
     pd.add_argument("--device", default=None, help=device_help)
-    pd.add_argument("--experts", type=int, default=16, help="number of experts (default 16; >= 8)")
-    pd.add_argument("--tokens", type=int, default=4, help="tokens in the batch (default 4)")
+    pd.add_argument("--experts", type=int_range(8, ROUTE_MAX_EXPERTS), default=16,
+                    help=f"number of experts (default 16; 8 (top-8) .. {ROUTE_MAX_EXPERTS}, the op's limit)")
+    pd.add_argument("--tokens", type=positive_int, default=4, help="tokens in the batch (default 4)")
     pd.add_argument("--seed", type=non_negative_int, default=0, help="random seed (default 0)")
     pd.set_defaults(fn=cmd_demo)
 
@@ -165,7 +164,9 @@ def main(argv=None):
         return EXIT_ERROR
     try:
         return args.fn(args)
-    except VkmoeError as exc:  # includes device selection errors and vkmoe.TimeoutError
+    # VkmoeError includes device selection errors and vkmoe.TimeoutError; the others are the library's named
+    # refusals of what it was given (e.g. a --tokens batch beyond the device's buffers) and what the system refused.
+    except (VkmoeError, ValueError, TypeError, MemoryError, OSError) as exc:
         print(f"vkmoe {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
