@@ -484,6 +484,9 @@ CLI_USAGE_ERRORS = [
     ("vkmoe", "demo", "--experts", "4"),
     ("vkmoe", "demo", "--experts", "100000"),  # (past the op's 1024: it built the layer first)
     ("vkmoe", "demo", "--tokens", "0"),
+    ("bench_sharded", "--devices", "0,99"),  # (a DeviceSelectionError traceback)
+    ("bench_sharded", "--m", "0"),
+    ("profile_host", "--m", "0"),  # (ran, timing nothing)
 ]
 
 
