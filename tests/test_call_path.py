@@ -281,7 +281,11 @@ def test_device_array_arguments_are_named(device, monkeypatch):
                 (lambda: DeviceArray(buf, (10 ** 30,), np.float16), ValueError, "the buffer holds 64"),
                 (lambda: DeviceArray.empty(device, (-1, 2), np.float16), ValueError, "non-negative dimensions"),
                 (lambda: DeviceArray.empty(device, (2.5,), np.float16), TypeError, "shape: expected a tuple"),
-                (lambda: DeviceArray.empty(device, (2,), "U4"), TypeError, "dtype: expected a numeric dtype")):
+                (lambda: DeviceArray.empty(device, (2,), "U4"), TypeError, "dtype: expected a numeric dtype"),
+                # (named "buffer of N bytes", which the caller never asked for)
+                (lambda: DeviceArray.empty(device, (10 ** 12, 128), np.float16), ValueError,
+                 r"shape: \(1000000000000, 128\) of float16 would need 256000000000000 bytes, more than this "
+                 "device's maxStorageBufferRange")):
             with pytest.raises(err, match=msg):
                 call()
         assert DeviceArray(buf, 4, np.float16).shape == (4,)  # (an int is a 1-d shape, as in numpy)

@@ -45,7 +45,10 @@ class DeviceArray:
     def empty(cls, device, shape, dtype):
         """An uninitialised DeviceArray in device memory (no buffer at all when it has no elements)."""
         expect_device(device)
-        nbytes = math.prod(_shape(shape)) * _dtype(dtype).itemsize
+        dims, dt = _shape(shape), _dtype(dtype)
+        nbytes = math.prod(dims) * dt.itemsize
+        if nbytes:  # (the error names the argument, not a buffer the caller never asked for)
+            device.memory.check_fits(f"shape: {dims} of {dt}", nbytes)
         buffer = device.memory.allocate(nbytes) if nbytes else None
         arr = cls(buffer, shape, dtype, owned=True)
         arr._device = device
