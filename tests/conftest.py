@@ -1,5 +1,5 @@
-"""Shared fixtures: one Vulkan device per test session, and a check after every test that the Khronos
-validation layer (VKMOE_VALIDATION=1) reported nothing."""
+"""Shared fixtures: one Vulkan device per test session, and checks after every test that the Khronos
+validation layer (VKMOE_VALIDATION=1) reported nothing and that the environment is as the test found it."""
 import os
 import sys
 
@@ -35,6 +35,20 @@ def _no_validation_messages(request):
         if name in request.fixturenames:
             messages = request.getfixturevalue(name).take_validation_messages()
             assert not messages, f"validation layer reported {len(messages)} message(s): {messages[:3]}"
+
+
+def _vkmoe_environment():
+    return {k: v for k, v in os.environ.items() if k.startswith("VKMOE_") or k in ("XDG_CACHE_HOME", "HOME")}
+
+
+@pytest.fixture(autouse=True)
+def _environment_left_as_found():
+    """A test that changes the runner's VKMOE_* variables (os.environ instead of monkeypatch) changes every later
+    test: test_probe once deleted VKMOE_CACHE_DIR, and the rest of the run read and wrote the user's cache."""
+    before = _vkmoe_environment()
+    yield
+    after = _vkmoe_environment()
+    assert after == before, f"the test left the environment changed: {set(before.items()) ^ set(after.items())}"
 
 
 def pytest_report_header(config):

@@ -116,16 +116,15 @@ def test_in_process_report_and_cache(dev, tmp_path, monkeypatch):
         assert f"Mesa {dev.mesa_version}" in text
 
 
-def test_cache_written_by_cli_and_force_fail(tmp_path):
+def test_cache_written_by_cli_and_force_fail(tmp_path, monkeypatch):
     ok = _probe_cli("--json", "--repeats", "2", cache_dir=tmp_path)
     assert ok.returncode == 0, ok.stderr[-3000:]
     assert "probe [" in ok.stderr  # the progress bar goes to stderr
-    with vkmoe.Device() as d:
-        os.environ["VKMOE_CACHE_DIR"] = str(tmp_path)
-        try:
-            entry = residency.lookup(d, (256, 16384))
-        finally:
-            del os.environ["VKMOE_CACHE_DIR"]
+    with vkmoe.Device() as d, monkeypatch.context() as env:
+        # (monkeypatch, not os.environ: deleting the variable afterwards took the runner's own VKMOE_CACHE_DIR
+        # away from every later test, which then read and wrote the user's cache directory)
+        env.setenv("VKMOE_CACHE_DIR", str(tmp_path))
+        entry = residency.lookup(d, (256, 16384))
     assert entry is not None and entry["persistent"] and entry["grid"] == json.loads(ok.stdout)["verdict"]["grid"]
 
     before = (tmp_path / "residency.json").read_text()
