@@ -218,6 +218,10 @@ def test_block_refuses_float32_hidden_beyond_float16s_range(qwen_dir, deepseek_d
             x[1, 5] = big
             with pytest.raises(ValueError, match=f"hidden: float32 values beyond float16's range.*the {who} take"):
                 block(x)
+            x[0, 3] = np.nan  # (a NaN beside it hid it: numpy's max of a row with NaN is NaN)
+            with pytest.raises(ValueError, match="beyond float16's range"), np.errstate(invalid="ignore"):
+                block(x)
+            x[0, 3] = 0.01
         x[1, 5] = 6e4
         with np.errstate(over="ignore", invalid="ignore"):  # (the big token's own row may overflow)
             y, y64 = block(x), block(x.astype(np.float64))

@@ -21,7 +21,7 @@ import numpy as np
 from .. import registry
 from ..exl3 import Exl3Tensor, load_exl3_tensor
 from ..exl3 import reference as ref
-from ..ops.host_arrays import FP16_MAX
+from ..ops.host_arrays import FP16_MAX, beyond_fp16
 from .checkpoint import Checkpoint
 from .config import NORM_ROLES, CheckpointError, MissingTensorError, MoeConfig
 from .routing import router_logits, sigmoid_group_topk, softmax_topk, sqrtsp_hash, sqrtsp_topk
@@ -194,9 +194,9 @@ class SparseMoeBlock:
         ones): float32 / float64 values beyond float16's range became Inf there and the row NaN, without a word.
         Refused, as Exl3Linear refuses such an x. NaN passes (each backend's own rule for it)."""
         takers = [w for w, takes in (("routed", self.norms is None), ("shared", bool(self.shared))) if takes]
-        if h.dtype == np.float16 or not h.size or not takers:
+        if h.dtype == np.float16 or not takers:
             return
-        if h.max() > FP16_MAX or h.min() < -FP16_MAX:
+        if beyond_fp16(h):
             raise ValueError(f"hidden: {h.dtype} values beyond float16's range (|hidden| <= {FP16_MAX:g}): the "
                              f"{' and '.join(takers)} experts take hidden in float16")
 

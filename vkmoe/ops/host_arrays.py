@@ -87,6 +87,12 @@ def dispatch_of(dispatch):
     return mode
 
 
+def beyond_fp16(x) -> bool:
+    """Whether float32 / float64 `x` holds values beyond float16's range (Inf included; NaN is not counted, and does
+    not hide a large value beside it)."""
+    return bool(x.size) and bool(np.nanmax(np.abs(x)) > FP16_MAX)
+
+
 def fp16_rows(x, k: int, name: str = "x") -> np.ndarray:
     """A linear's host input as the op computes on it: (m, k) float16, float32 rounded to float16 (refused beyond
     its range, rather than turned into Inf)."""
@@ -96,7 +102,7 @@ def fp16_rows(x, k: int, name: str = "x") -> np.ndarray:
     if len(shape) != 2 or shape[1] != k:
         raise ValueError(f"{name}: expected shape (m, {k}) float16 or float32, got {describe(x)}")
     if x.dtype == np.float32:  # rounded to float16, the op's input precision
-        if x.size and np.nanmax(np.abs(x)) > FP16_MAX:
+        if beyond_fp16(x):
             raise ValueError(f"{name}: float32 values beyond float16's range (|{name}| <= {FP16_MAX:g}) cannot be "
                              "rounded to the op's float16 input")
         x = x.astype(np.float16)
