@@ -1124,6 +1124,7 @@ def test_a_fork_while_other_threads_hold_vkmoes_locks_does_not_hang_the_child(ti
     from vkmoe.ops.sharded import ShardedMoeMlp
     from vkmoe.sched import residency
     from vkmoe.vk import CommandRecorder, DeviceClosedError
+    from vkmoe.vk.device import _Instance
 
     L, c = tiny_layer, tiny_layer.calls[0]
     x, ids, w = c["x"], c["selected"], c["weights"]
@@ -1136,7 +1137,7 @@ def test_a_fork_while_other_threads_hold_vkmoes_locks_does_not_hang_the_child(ti
     assert np.array_equal(sharded(x, ids, w), expect)
     cpu_expect = cpu.moe_forward(x, ids, w, L.gate, L.up, L.down, "silu")
     locks = [moe._call_lock, lin._call_lock, rec._close_lock, cpu._LIST_LOCK, registry._lock, residency._lock,
-             kernels._lock] + [sh._call_lock for sh in sharded.shards]
+             kernels._lock, _Instance._lock] + [sh._call_lock for sh in sharded.shards]
     held, done = threading.Event(), threading.Event()
 
     def holder():
@@ -1164,6 +1165,7 @@ def test_a_fork_while_other_threads_hold_vkmoes_locks_does_not_hang_the_child(ti
             thing.close()
         report["cpu"] = bool(np.array_equal(cpu.moe_forward(x, ids, w, L.gate, L.up, L.down, "silu"), cpu_expect))
         report["registry"] = ("exl3_moe_mlp", "cpu") in registry.available()
+        report["devices"] = len(vkmoe.list_devices())  # (takes the instance lock)
         report["seconds"] = time.monotonic() - t0
 
     report, _ = _in_fork_child(child, 60)  # (a child that hangs, as before the fix, is killed)
@@ -1171,6 +1173,7 @@ def test_a_fork_while_other_threads_hold_vkmoes_locks_does_not_hang_the_child(ti
     t.join(10)
     assert "unexpected" not in report, report
     assert report["errors"] == ["moe", "linear", "sharded"] and report["cpu"] and report["registry"], report
+    assert report["devices"] >= 1, report
     assert report["seconds"] < 20, report
     # the parent's objects carry on once its thread let go of the locks
     assert np.array_equal(moe(x, ids, w), expect) and np.array_equal(sharded(x, ids, w), expect)

@@ -9,7 +9,7 @@ import weakref
 
 import vulkan as vk
 
-from .. import knobs
+from .. import forksafe, knobs
 from . import statistics
 from .in_flight import InFlight
 from .errors import (VULKAN_INSTALL_HINT, DeviceClosedError, DeviceSelectionError, NoVulkanError, ValidationError,
@@ -64,7 +64,7 @@ def _validation_requested():
 class _Instance:
     """One VkInstance per process (and per validation setting): devices share it."""
 
-    _lock = threading.Lock()
+    _lock = forksafe.Lock()  # (a fork() child finds it released: vkmoe.forksafe)
     _instances = {}
 
     @classmethod
@@ -268,7 +268,6 @@ def _after_fork_in_child():
     for device in list(_open_devices):
         device._left_by_fork(parent)
     _open_devices.clear()
-    _Instance._lock = threading.Lock()  # (another thread of the parent may have held it)
     _Instance._instances.clear()
 
 
