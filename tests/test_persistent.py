@@ -62,6 +62,38 @@ def test_golden_persistent_bit_identical_to_split(layers, path):
         assert rel < 3e-3
 
 
+@pytest.mark.parametrize("hadamard", ["shared", "subgroup"])
+def test_persistent_matches_split_with_new_inputs_every_call(device, monkeypatch, hadamard):
+    """Persistent first, then split, with new inputs on every call, routed (m = 40) and direct (m = 3). A stage
+    that read scratch before another workgroup wrote it would pass the golden test above: there split ran first
+    with the same inputs, so the scratch already held the right values. On Mesa 22.3 the subgroup Hadamard build
+    of the persistent kernel failed this in about half of the calls; there the layer keeps the shared build
+    (Exl3MoeMlp._hadamard_pin)."""
+    from vkmoe import layout
+    from vkmoe.ops import kernels
+    if hadamard == "subgroup" and kernels.hadamard_subgroup_unfit(device):
+        pytest.skip(f"no subgroup transform here: {kernels.hadamard_subgroup_unfit(device)}")
+    monkeypatch.setenv("VKMOE_HADAMARD", hadamard)
+    monkeypatch.setenv("VKMOE_MOE_DIRECT", "auto")
+    monkeypatch.setenv("VKMOE_COOPMAT", "off")  # the cooperative-matrix stages (m = 40 on a GPU) are split's alone
+    gate, up, down = vkmoe.random_moe_layer(hidden=256, intermediate=256, experts=8, bits=4, seed=3)
+    with vkmoe.Exl3MoeMlp(device, gate, up, down) as moe:
+        for m, calls, direct in ((40, 3, False), (3, 2, True)):
+            for i in range(calls):
+                rng = np.random.default_rng(1000 * m + i)
+                x = rng.standard_normal((m, 256)).astype(np.float16)
+                ids, w = vkmoe.random_routing(m=m, experts=8, top_k=4, seed=1000 * m + i)
+                persistent = moe(x, ids, w, dispatch="persistent")
+                run = moe.last_run
+                assert run["mode"] == "persistent" and run["plan"]["direct"] is direct, run
+                split = moe(x, ids, w, dispatch="split")
+                assert np.isfinite(persistent).all()
+                assert np.array_equal(_bits(persistent), _bits(split)), (m, i)
+            spec = moe._persistent_pipeline(moe._scratch_for(m, 4).plan).spec
+            pinned = bool(device.quirks.get("loop_iteration_cap"))
+            assert spec[layout.SPEC_HAD_SUBGROUP] == (0 if pinned else kernels.hadamard_subgroup(device))
+
+
 @pytest.mark.parametrize("direct", ["on", "off"])
 def test_scheduler_state_resets_itself_over_100_launches(device, monkeypatch, direct):
     """Tickets, chunk progress and (routed) the routing flag, stage-1 count and phase count are reset by their
