@@ -16,10 +16,10 @@ import atexit
 import functools
 import glob
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
-import importlib.util
 import subprocess
 import sys
 import tempfile
