@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import vkmoe
-from goldens import golden_files, load_layer
+from goldens import golden_files, load_layer, poison_scratch
 from vkmoe.sched import plan as sched_plan
 from vkmoe.sched import residency
 from subproc import python_env
@@ -47,7 +47,9 @@ def _bits(a):
 def test_golden_persistent_bit_identical_to_split(layers, path):
     L, moe = layers(path)
     for call in L.calls:
-        # persistent first (a stage reading scratch before it is written would find split's values after split)
+        # persistent first, on poisoned scratch (a stage reading scratch before it is written would find split's
+        # values after split)
+        poison_scratch(moe)
         persistent = moe(call["x"], call["selected"], call["weights"], dispatch="persistent")
         run = moe.last_run
         split = moe(call["x"], call["selected"], call["weights"], dispatch="split")
@@ -152,7 +154,7 @@ def test_forced_oversubscription_falls_back_to_split_quickly(device, tmp_path):
         import numpy as np
         sys.path.insert(0, {os.path.join(REPO, 'tests')!r})
         import vkmoe
-        from goldens import golden_files, load_layer
+        from goldens import golden_files, load_layer, poison_scratch
         L = load_layer(golden_files()[0])
         call = L.calls[0]
         with vkmoe.Device() as dev:
