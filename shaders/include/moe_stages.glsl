@@ -168,9 +168,14 @@ bool moe_wait(uint word, uint target) {
     return ok;
 }
 
-// Whole workgroup: publish everything written so far and count it at sync_words[word].
+// Whole workgroup: publish everything written so far and count it at sync_words[word]. As in wg_last_arrival: a
+// Workgroup-scope barrier makes every invocation's writes available to invocation 0, whose release (sync_add)
+// carries them device-wide. Not SYNC_WG_BARRIER: Mesa 22.3 does not order buffer stores around a QueueFamily-scope
+// control barrier (common.glsl), so other invocations' `inter` rows landed after the count, and a down item that
+// saw it read stale rows or NaN (routed persistent launches, subgroup Hadamard build, about half the calls with new
+// inputs; BENCHMARKS.md, twenty-seventh session).
 void moe_signal(uint word) {
-    SYNC_WG_BARRIER();
+    WG_BARRIER_PUBLISH();
     if (gl_LocalInvocationIndex == 0u) sync_add(word, 1u);
 }
 
