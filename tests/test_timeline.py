@@ -90,3 +90,38 @@ def test_clock_layer_on_a_device_without_the_clock_is_refused(device, golden, mo
 
 def test_clock_words_fit_their_area():
     assert layout.CLOCK_WAITS + 2 <= layout.CLOCK_WORDS_PER_WG
+
+
+def _words(ticks):
+    """Timing words of workgroups whose marks are `ticks` (rows: workgroups; columns: the first marks; 64-bit)."""
+    ticks = np.asarray(ticks, np.uint64)
+    w = np.zeros((len(ticks), layout.CLOCK_WORDS_PER_WG), np.uint32)
+    for i in range(ticks.shape[1]):
+        w[:, 2 * i] = (ticks[:, i] & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+        w[:, 2 * i + 1] = (ticks[:, i] >> np.uint64(32)).astype(np.uint32)
+    return w
+
+
+def test_timeline_reads_a_32_bit_clock_across_its_wrap():
+    # Both lavapipes store 0 as the clock's high word: a launch straddling the low word's wrap (every 2^32 ns)
+    # once read its gate/up mark 4.288 s before its start (a CI failure of the test above).
+    wrap = 1 << 32
+    starts = [wrap - 7_000, wrap - 2_000]                    # ns; workgroup 1 starts 5 us after workgroup 0
+    marks = [[s, s + 3_000, s + 12_000] for s in starts]     # the second and third marks past the wrap
+    t = Timeline(_words([[v % wrap for v in row] for row in marks]))
+    np.testing.assert_allclose(t.us["start"], [0.0, 5.0])
+    np.testing.assert_allclose(t.us[layout.CLOCK_MARKS[1]], [3.0, 8.0])
+    np.testing.assert_allclose(t.us[layout.CLOCK_MARKS[2]], [12.0, 17.0])
+    assert np.isnan(t.us[layout.CLOCK_MARKS[3]]).all()    # never reached: 0
+    # workgroup 1 may start first; the earliest start is 0 either way
+    t = Timeline(_words([[wrap - 1_000, 500], [wrap - 3_000, wrap - 1_500]]))
+    np.testing.assert_allclose(t.us["start"], [2.0, 0.0])
+    np.testing.assert_allclose(t.us[layout.CLOCK_MARKS[1]], [3.5, 1.5])
+
+
+def test_timeline_keeps_a_64_bit_clock_whole():
+    # A real 64-bit clock: the high words count, no modulo (a mark 5 s after the start stays 5 s after it)
+    base = (7 << 32) + 123
+    t = Timeline(_words([[base, base + 5_000_000_000], [base + 1_000, base + 2_000]]))
+    np.testing.assert_allclose(t.us["start"], [0.0, 1.0])
+    np.testing.assert_allclose(t.us[layout.CLOCK_MARKS[1]], [5e6, 2.0])

@@ -20,12 +20,22 @@ class Timeline:
         if words.ndim != 2 or words.shape[1] != layout.CLOCK_WORDS_PER_WG or not len(words):
             raise ValueError(f"words: expected shape (workgroups, {layout.CLOCK_WORDS_PER_WG}), got {words.shape}")
         n = len(layout.CLOCK_MARKS)
-        ticks = words[:, 0:2 * n:2].astype(np.uint64) | (words[:, 1:2 * n:2].astype(np.uint64) << np.uint64(32))
+        lo, hi = words[:, 0:2 * n:2], words[:, 1:2 * n:2]
+        ticks = lo.astype(np.uint64) | (hi.astype(np.uint64) << np.uint64(32))
         starts = ticks[:, 0]
         if not starts.all():
             raise ValueError(f"{int((starts == 0).sum())} of {len(starts)} workgroups have no start mark: not a "
                              "launch of the timing build over this grid")
-        rel = (ticks.astype(np.int64) - np.int64(starts.min())) / 1e3
+        if hi.any():  # a 64-bit clock
+            rel = (ticks.astype(np.int64) - np.int64(starts.min())) / 1e3
+        else:
+            # A 32-bit clock: both lavapipes (Mesa 22.3 and 25) store 0 as the high word of clockRealtime2x32EXT,
+            # so the low word wraps every 2^32 ns (4.3 s) and a launch that straddles a wrap had marks "before" its
+            # start. Differences modulo 2^32, read as signed, are right for any launch shorter than 2^31 ns (2.1 s):
+            # each mark against workgroup 0's start, then shifted so that the earliest start is 0.
+            since = (lo.astype(np.int64) - np.int64(lo[0, 0])) % (1 << 32)
+            since[since >= 1 << 31] -= 1 << 32
+            rel = (since - since[:, 0].min()) / 1e3
         rel[ticks == 0] = np.nan
         self.workgroups = len(words)
         self.us = {name: rel[:, i] for i, name in enumerate(layout.CLOCK_MARKS)}
