@@ -115,6 +115,23 @@ def poison_scratch(moe) -> None:
             buf.upload(np.full(buf.size // 4, 0xFFFFFFFF, np.uint32))
 
 
+def poison_block_scratch(block) -> None:
+    """Poison (all-ones bits: NaN, or id -1) every device buffer a SparseMoeBlock's device block writes before it
+    reads: the block's own scratch per batch size (router logits, ids, weights, the shared expert's
+    intermediates...), its linears' (input Hadamards, k-split partials) and the routed experts' (poison_scratch).
+    A recording checked against a call of the same inputs then cannot pass on values the call left there."""
+    dblock = block.device_block
+    for scratch in dblock._scratch.values():
+        for buf in scratch.buffers:
+            buf.upload(np.full(buf.size // 4, 0xFFFFFFFF, np.uint32))
+    linears = list((dblock.shared or {}).values()) + list((dblock.latent or {}).values())
+    for linear in linears:
+        for bufs in linear._scratch.values():
+            for buf in bufs[:2]:  # (xh, partial); the counters self-reset and must stay 0
+                buf.upload(np.full(buf.size // 4, 0xFFFFFFFF, np.uint32))
+    poison_scratch(dblock.moe)
+
+
 def other_routing(call: dict, E: int, seed: int):
     """Routing of the same shape as call's with other experts (distinct per token): a first call on it leaves
     other numbers in every buffer of a layer before the call that is checked (poison)."""

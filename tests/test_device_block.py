@@ -4,6 +4,7 @@ one command buffer equal to the blocks run one by one, device arrays between blo
 import numpy as np
 import pytest
 
+from goldens import poison_block_scratch
 from spin import SpinRun, fence_signalled, skip_if_over
 from vkmoe.models import SparseMoeBlock, write_checkpoint
 from vkmoe.ops.device_array import DeviceArray
@@ -145,6 +146,7 @@ def test_recorded_block_equals_call(blocks, device, key):
     block = blocks[key]
     x, ids = _hidden(4, seed=8), _tokens(block, 4, seed=8)
     want = block(x, input_ids=ids)
+    poison_block_scratch(block)  # the recording must not pass on what the call left in the scratch
     xd, out = DeviceArray.from_numpy(device, x), _poisoned(device, 4)
     idd = None if ids is None else DeviceArray.from_numpy(device, ids)
     with CommandRecorder(device) as rec:
@@ -166,6 +168,7 @@ def test_one_token_linears_in_direct_mode_give_the_same_bits(blocks, device, key
     block = blocks[key]
     x, ids = _hidden(1, seed=12), _tokens(block, 1, seed=12)
     want = block(x, input_ids=ids)
+    poison_block_scratch(block)
     monkeypatch.setenv("VKMOE_LINEAR_DIRECT", "off")  # read when the linears' stages are recorded
     xd, out = DeviceArray.from_numpy(device, x), _poisoned(device, 1)
     idd = None if ids is None else DeviceArray.from_numpy(device, ids)
@@ -358,6 +361,8 @@ def test_chain_of_blocks_in_one_submission(blocks, device):
         rec.submit(wait=True)
         assert submission_count() - before == 1
         chained = outs[-1].numpy()
+        for block in chain:
+            poison_block_scratch(block)
         step = xd
         for block in chain:
             nxt = block(step, out="device")
@@ -473,6 +478,7 @@ def test_persistent_routed_experts_inside_the_block(blocks, monkeypatch, name):
     x = _hidden(3, seed=21)
     want = block.moe.decided_mode(3, block.config.top_k)
     block(x)
+    poison_block_scratch(block)  # the call checked below must not pass on the first call's values
     before = submission_count()
     got = block(x)
     assert submission_count() - before == 1
