@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import vkmoe
-from goldens import golden_files, load_layer, rel_rms
+from goldens import golden_files, load_layer, poison_scratch, rel_rms
 from vkmoe.ops.sharded import ShardedMoeMlp, check_ranges, even_ranges
 
 LAYER = golden_files()[1]  # b_mixed_bits: 16 experts, mixed bit widths, top-4
@@ -44,6 +44,8 @@ def test_three_shards_and_persistent_mode_give_the_same_bits(device, dev, layer,
                        activation=layer.activation, act_limit=layer.act_limit, ranges=[(0, 3), (3, 9), (12, 4)]) as s:
         c = layer.calls[0]
         for mode in ("split", "persistent"):
+            for shard in s.shards:  # (persistent must not pass on what split left in the shards' scratch)
+                poison_scratch(shard)
             assert np.array_equal(_bits(s(c["x"], c["selected"], c["weights"], dispatch=mode)), _bits(whole[0])), mode
 
 
