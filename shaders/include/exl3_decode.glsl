@@ -56,6 +56,24 @@ uint lane_state(const uint w[9], const int e) {
     return (lo | hi) & 0xFFFFu;
 }
 
+// The 32 states of a lane: st[j] = lane_state(w, (j + 1) * K). Where K = 4, every other state starts 4 bits off a
+// byte boundary; those are read from a copy of the segment shifted right by 4 bits (one funnel shift per word), so
+// that every state is a byte-aligned 16-bit field of two words (on NVIDIA one byte permute instead of a funnel
+// shift and a mask). K = 8 states are byte-aligned as they are.
+void lane_states(const int K, const uint w[9], out uint st[32]) {
+    if (K == 4) {
+        uint u[9];  // u = the segment 4 bits later: state ending at bit e of w ends at bit e + 4 of u
+        u[0] = w[0] >> 4;
+        [[unroll]] for (int i = 1; i < 9; ++i) u[i] = (w[i] >> 4) | (w[i - 1] << 28);
+        [[unroll]] for (int j = 0; j < 32; ++j) {
+            int e = (j + 1) * 4;
+            st[j] = (e & 7) == 0 ? lane_state(w, e) : lane_state(u, e + 4);
+        }
+    } else {
+        [[unroll]] for (int j = 0; j < 32; ++j) st[j] = lane_state(w, (j + 1) * K);
+    }
+}
+
 // Row (k index inside the tile, 0..15) of lane position j (0..31); the column is q for j & 4 == 0, else q + 8.
 int lane_row(const int j) { return 2 * (j >> 3) + (j & 1) + 8 * ((j >> 1) & 1); }
 
@@ -65,9 +83,11 @@ void decode_lane(const int K, const int cb, uint words[8], uint prev, out float 
     uint w[9];
     w[0] = prev;
     for (int i = 0; i < 8; ++i) w[i + 1] = words[i];
+    uint st[32];
+    lane_states(K, w, st);
     [[unroll]] for (int j = 0; j < 32; j += 2) {
-        float a = codebook_unrounded(lane_state(w, (j + 1) * K), cb);
-        float b = codebook_unrounded(lane_state(w, (j + 2) * K), cb);
+        float a = codebook_unrounded(st[j], cb);
+        float b = codebook_unrounded(st[j + 1], cb);
         vec2 r = round_f16(vec2(a, b));
         vals[j] = r.x;
         vals[j + 1] = r.y;
@@ -86,12 +106,16 @@ void decode_lane_h(const int K, const int cb, uint words[8], uint prev, out f16v
     uint w[9];
     w[0] = prev;
     for (int i = 0; i < 8; ++i) w[i + 1] = words[i];
+    uint st[32];
+    lane_states(K, w, st);
     [[unroll]] for (int i = 0; i < 16; ++i) {
-        uint s0 = lane_state(w, (2 * i + 1) * K), s1 = lane_state(w, (2 * i + 2) * K);
+        uint s0 = st[2 * i], s1 = st[2 * i + 1];
         if (cb == CB_MUL1) {
             uint b0 = byte_sum(s0 * 0x83DCD12Du), b1 = byte_sum(s1 * 0x83DCD12Du);
             if (F16_FMA_FUSED) {
-                f16vec2 h = unpackFloat2x16((0x6400u + b0) | ((0x6400u + b1) << 16));  // exactly 1024 + B
+                // exactly 1024 + B in each half (B <= 1020, so no carry crosses): written as adds so that the
+                // compiler may fold the constant into the dot product's accumulator and the shift into one add
+                f16vec2 h = unpackFloat2x16((b1 << 16) + (b0 + 0x64006400u));
                 hv[i] = fma(h, f16vec2(float16_t(0.00676727294921875)), f16vec2(float16_t(-10.3828125)));
             } else {
                 vec2 v = vec2(float(1024u + b0), float(1024u + b1)) * 0.00676727294921875 + (-10.3828125);
