@@ -56,11 +56,15 @@ uint lane_state(const uint w[9], const int e) {
     return (lo | hi) & 0xFFFFu;
 }
 
-// The 32 states of a lane: st[j] = lane_state(w, (j + 1) * K). Where K = 4, every other state starts 4 bits off a
-// byte boundary; those are read from a copy of the segment shifted right by 4 bits (one funnel shift per word), so
-// that every state is a byte-aligned 16-bit field of two words (on NVIDIA one byte permute instead of a funnel
-// shift and a mask). K = 8 states are byte-aligned as they are.
-void lane_states(const int K, const uint w[9], out uint st[32]) {
+// The 32 states of a lane: st[j] = lane_state(w, (j + 1) * K) with w = (prev, words). Where K = 4, every other
+// state starts 4 bits off a byte boundary; those are read from a copy of the segment shifted right by 4 bits (one
+// funnel shift per word), so that every state is a byte-aligned 16-bit field of two words (on NVIDIA one byte
+// permute instead of a funnel shift and a mask). K = 8 states are byte-aligned as they are.
+// words: the lane's K words, prev: the word before them within the tile.
+void lane_states(const int K, uint words[8], uint prev, out uint st[32]) {
+    uint w[9];
+    w[0] = prev;
+    for (int i = 0; i < 8; ++i) w[i + 1] = words[i];
     if (K == 4) {
         uint u[9];  // u = the segment 4 bits later: state ending at bit e of w ends at bit e + 4 of u
         u[0] = w[0] >> 4;
@@ -77,14 +81,10 @@ void lane_states(const int K, const uint w[9], out uint st[32]) {
 // Row (k index inside the tile, 0..15) of lane position j (0..31); the column is q for j & 4 == 0, else q + 8.
 int lane_row(const int j) { return 2 * (j >> 3) + (j & 1) + 8 * ((j >> 1) & 1); }
 
-// Decode the 32 values of one lane into fp16-exact floats: vals[j] for j = 0..31.
-// words: the lane's K words, prev: the word before them within the tile.
+// Decode the 32 values of one lane into fp16-exact floats: vals[j] for j = 0..31 (words, prev: as lane_states).
 void decode_lane(const int K, const int cb, uint words[8], uint prev, out float vals[32]) {
-    uint w[9];
-    w[0] = prev;
-    for (int i = 0; i < 8; ++i) w[i + 1] = words[i];
     uint st[32];
-    lane_states(K, w, st);
+    lane_states(K, words, prev, st);
     [[unroll]] for (int j = 0; j < 32; j += 2) {
         float a = codebook_unrounded(st[j], cb);
         float b = codebook_unrounded(st[j + 1], cb);
@@ -103,11 +103,8 @@ void decode_lane(const int K, const int cb, uint words[8], uint prev, out float 
 layout(constant_id = SPEC_F16_FMA_FUSED) const bool F16_FMA_FUSED = false;
 
 void decode_lane_h(const int K, const int cb, uint words[8], uint prev, out f16vec2 hv[16]) {
-    uint w[9];
-    w[0] = prev;
-    for (int i = 0; i < 8; ++i) w[i + 1] = words[i];
     uint st[32];
-    lane_states(K, w, st);
+    lane_states(K, words, prev, st);
     [[unroll]] for (int i = 0; i < 16; ++i) {
         uint s0 = st[2 * i], s1 = st[2 * i + 1];
         if (cb == CB_MUL1) {
