@@ -153,11 +153,9 @@ def test_random_layers_bit_identical(device, monkeypatch, activation, direct, mo
     # 22.3) and the CPU bound of 2,000,000 iterations (Mesa 25), and would make the suite's longest case longer;
     # direct mode is for small batches (its items redo stage 1 per row).
     ms = MS if mode == "split" else MS[:2] if direct == "on" else MS[:3]
-    if mode == "split":
-        # gate/up k-ranges of 6 tiles (H = 256: 3 splits), not a multiple of the GEMM's 4 k-slices (see
-        # Exl3MoeMlp._hadamard_pin). Not persistent: its direct mode gives NaN there on Mesa 22.3 with either
-        # transform (as before the subgroup transform existed).
-        monkeypatch.setenv("VKMOE_MOE_SPLITS", "3,2")
+    # gate/up k-ranges of 6 tiles (H = 256: 3 splits), not a multiple of the GEMM's 4 k-slices, in routed mode
+    # (direct mode rounds its k-ranges up to whole 4-tile steps: plan.direct_kt; see Exl3MoeMlp._hadamard_pin)
+    monkeypatch.setenv("VKMOE_MOE_SPLITS", "3,2")
     calls = []
     for m in ms:
         x = np.random.default_rng(m).standard_normal((m, 256)).astype(np.float16)
