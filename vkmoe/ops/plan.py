@@ -172,9 +172,11 @@ def gemm_plan(device, m, k, n, target_workgroups=None):
     """The linear's plan for m rows. One row (m = 1) runs in direct mode unless VKMOE_LINEAR_DIRECT=off: each
     GEMM workgroup builds the input Hadamard of its own k-range, so the op is one dispatch instead of two with a
     barrier between (same bits); its k-splits keep within DIRECT_MAX_KT tiles (the row's room in shared memory).
-    Not on Mesa 22.3's lavapipe (the driver with the loop cap): there one band of two came out unwritten at random
-    (k-splits of 19 or 43 tiles), with either Hadamard transform, as its k-split arrivals were lost in the MoE's
-    direct mode (Exl3MoeMlp._hadamard_pin); Mesa 25 and the H200 run it right. The cause is not found."""
+    On Mesa 22.3's lavapipe (the driver with the loop cap) every k-range is whole 4-tile steps (direct_kt), so that
+    every slot of a workgroup runs the same number of k-loop iterations: with ranges of 43 or 86 tiles its direct
+    mode gave a wrong band in 36 of 40 calls (the k-loop's divergent exit after the direct row's barriers, as in
+    the MoE's direct mode; ranges of 16, 48, 64 and 128 tiles: 0 of 80; BENCHMARKS.md, twenty-eighth session).
+    Mesa 25 and the GPUs run uneven ranges right and keep them."""
     if use_coop(device, m):
         return _coop_plan(device, m, k, n, target_workgroups)
     rows = rows_for(m)
@@ -183,8 +185,7 @@ def gemm_plan(device, m, k, n, target_workgroups=None):
     bands = n // BAND
     if target_workgroups is None:
         target_workgroups = default_target_workgroups(device)
-    direct = (m == 1 and knobs.get("VKMOE_LINEAR_DIRECT") == "auto"
-              and not device.quirks.get("loop_iteration_cap"))
+    direct = m == 1 and knobs.get("VKMOE_LINEAR_DIRECT") == "auto"
     # One round: at most target_workgroups (what stays resident), not the fewest splits that reach it. A grid just
     # past one round leaves its last few workgroups to a second round of their own (H200, m = 1: 7168 x 2048 in 400
     # workgroups 16.9 us, in 384 14.0-14.3; m = 2 / 4 22.8 / 25.0 -> 18.2 / 20.5; 8192 x 8192 31.2 -> 29.4-29.6;
@@ -192,6 +193,8 @@ def gemm_plan(device, m, k, n, target_workgroups=None):
     # an estimate).
     splits, kt_per_split = _splits(device, tiles_k, bands * row_chunks, target_workgroups,
                                    max_kt=DIRECT_MAX_KT if direct else None, one_round=True)
+    if device.quirks.get("loop_iteration_cap"):  # (the caps above are multiples of 4: rounding keeps within them)
+        splits, kt_per_split = _whole_steps(tiles_k, kt_per_split)
     return GemmPlan(rows, row_chunks, splits, kt_per_split, direct=direct)
 
 
