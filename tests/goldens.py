@@ -108,7 +108,7 @@ def poison_scratch(moe) -> None:
     """Fill the float scratch of every batch shape `moe` (an Exl3MoeMlp) has planned (states, inter, partials,
     rows) with all-ones bits, NaN in fp32 and fp16, before a call that is checked. A stage that reads scratch
     before this call wrote it then gives NaN rather than an earlier run's values: after a run of the same inputs
-    those are the right ones, which hid such a read on Mesa 22.3 (Exl3MoeMlp._hadamard_pin). The routing table and
+    those are the right ones, which hid such a read on Mesa 22.3 (moe_signal, DESIGN.md). The routing table and
     the sync words are left as they are (the kernels' indices and counters)."""
     for scratch in moe._scratch.values():
         for buf in (scratch.states, scratch.inter, scratch.partial, scratch.rows):

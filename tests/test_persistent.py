@@ -92,10 +92,9 @@ def test_persistent_matches_split_with_new_inputs_every_call(device, monkeypatch
                 split = moe(x, ids, w, dispatch="split")
                 assert np.isfinite(persistent).all()
                 assert np.array_equal(_bits(persistent), _bits(split)), (m, i)
-            # the transform asked for ran (direct mode on Mesa 22.3 keeps the shared one: Exl3MoeMlp._hadamard_pin)
+            # the transform asked for ran
             spec = moe._persistent_pipeline(moe._scratch_for(m, 4).plan).spec
-            pinned = direct and bool(device.quirks.get("loop_iteration_cap"))
-            assert spec[layout.SPEC_HAD_SUBGROUP] == (0 if pinned else kernels.hadamard_subgroup(device))
+            assert spec[layout.SPEC_HAD_SUBGROUP] == kernels.hadamard_subgroup(device)
 
 
 @pytest.mark.parametrize("direct", ["on", "off"])

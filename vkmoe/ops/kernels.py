@@ -121,9 +121,8 @@ def pipeline(device, shader, push, spec=None, decode=False, binding_count=None, 
         spec = dict(spec or {})
         spec[SPEC_F16_FMA_FUSED] = f16_fma_fused(device)
     had = 0
-    # A shader that runs the 128-point Hadamard transform gets hadamard_subgroup's choice, unless the caller pinned
-    # the shared-memory transform (spec[SPEC_HAD_SUBGROUP] = 0: a driver workaround, Exl3MoeMlp._hadamard_pin).
-    if SPEC_HAD_SUBGROUP in _declared_spec(name) and (spec or {}).get(SPEC_HAD_SUBGROUP) != 0:
+    # A shader that runs the 128-point Hadamard transform gets hadamard_subgroup's choice.
+    if SPEC_HAD_SUBGROUP in _declared_spec(name):
         spec = dict(spec or {})
         spec[SPEC_HAD_SUBGROUP] = had = hadamard_subgroup(device)
     key = (name, tuple(sorted((spec or {}).items())))

@@ -493,20 +493,7 @@ class Exl3MoeMlp:
 
     # ----------------------------------------------------------------------------------------- recording
     def _spec(self, plan, persistent=False):
-        return {**moe_spec(plan, self.bits, self.codebook, self.activation, persistent), **self._hadamard_pin(plan)}
-
-    def _hadamard_pin(self, plan):
-        """{SPEC_HAD_SUBGROUP: 0} where this layer's pipelines must keep the shared-memory Hadamard transform:
-        direct-mode batches on Mesa 22.3's lavapipe (the driver with the loop cap). There the subgroup build lost
-        gate/up k-split arrivals when a split's k-range was not a multiple of 4 tiles (kt_gu = 6: two of three
-        never counted, so stage 3 never ran), even with a direct stage 1 reduced to one store and a barrier;
-        Mesa 25 runs it right. The cause is not found. (Direct k-ranges are whole 4-tile steps since plan.direct_kt,
-        and with new inputs on every call the subgroup build gave the shared one's bits in 24 of 24 direct calls
-        without this pin, BENCHMARKS.md, twenty-seventh session: the pin may be obsolete; it is kept until a run
-        of the whole suite without it says so.)"""
-        if plan.direct and self.device.quirks.get("loop_iteration_cap"):
-            return {layout.SPEC_HAD_SUBGROUP: 0}
-        return {}
+        return moe_spec(plan, self.bits, self.codebook, self.activation, persistent)
 
     def _scratch_for(self, m, top_k):
         """The scratch of batch shape (m, top_k), made on first use. A server sees every m, so a new shape first
