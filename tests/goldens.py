@@ -104,6 +104,11 @@ def moe_call_args(layer: SimpleNamespace, **changes) -> dict:
     return args
 
 
+def _poison(buf) -> None:
+    """All-ones bits into a device buffer: NaN in fp32 and fp16, -1 as an int32 id."""
+    buf.upload(np.full(buf.size // 4, 0xFFFFFFFF, np.uint32))
+
+
 def poison_scratch(moe) -> None:
     """Fill the float scratch of every batch shape `moe` (an Exl3MoeMlp) has planned (states, inter, partials,
     rows) with all-ones bits, NaN in fp32 and fp16, before a call that is checked. A stage that reads scratch
@@ -112,7 +117,7 @@ def poison_scratch(moe) -> None:
     the sync words are left as they are (the kernels' indices and counters)."""
     for scratch in moe._scratch.values():
         for buf in (scratch.states, scratch.inter, scratch.partial, scratch.rows):
-            buf.upload(np.full(buf.size // 4, 0xFFFFFFFF, np.uint32))
+            _poison(buf)
 
 
 def poison_block_scratch(block) -> None:
@@ -123,12 +128,12 @@ def poison_block_scratch(block) -> None:
     dblock = block.device_block
     for scratch in dblock._scratch.values():
         for buf in scratch.buffers:
-            buf.upload(np.full(buf.size // 4, 0xFFFFFFFF, np.uint32))
+            _poison(buf)
     linears = list((dblock.shared or {}).values()) + list((dblock.latent or {}).values())
     for linear in linears:
         for bufs in linear._scratch.values():
             for buf in bufs[:2]:  # (xh, partial); the counters self-reset and must stay 0
-                buf.upload(np.full(buf.size // 4, 0xFFFFFFFF, np.uint32))
+                _poison(buf)
     poison_scratch(dblock.moe)
 
 

@@ -15,6 +15,8 @@ import pytest
 
 import vkmoe
 from goldens import golden_files, load_layer, poison_scratch
+from vkmoe import layout
+from vkmoe.ops import kernels
 from vkmoe.sched import plan as sched_plan
 from vkmoe.sched import residency
 from subproc import python_env
@@ -72,8 +74,6 @@ def test_persistent_matches_split_with_new_inputs_every_call(device, monkeypatch
     with the same inputs, so the scratch already held the right values. On Mesa 22.3 the subgroup Hadamard build
     of the routed persistent kernel failed this in about half of the calls: a chunk's completion was counted
     before every invocation's `inter` stores had landed (moe_signal, moe_stages.glsl)."""
-    from vkmoe import layout
-    from vkmoe.ops import kernels
     if hadamard == "subgroup" and kernels.hadamard_subgroup_unfit(device):
         pytest.skip(f"no subgroup transform here: {kernels.hadamard_subgroup_unfit(device)}")
     monkeypatch.setenv("VKMOE_HADAMARD", hadamard)
@@ -124,7 +124,6 @@ def test_routed_launches_wait_without_running_out_of_spins(device, monkeypatch):
     split's bits. On Mesa 22.3 (a loop cap: spins bounded in iterations) one invocation's polls ran out while the
     other workgroup (one CPU thread) still worked, in 10-15 of 40 such launches on an idle 2-core machine; the
     pipeline is specialized there to spin with the whole workgroup (moe_spin_paced), and only there."""
-    from vkmoe import layout
     path = next(p for p in golden_files() if "b_mixed_bits" in p)
     L = load_layer(path)
     monkeypatch.setenv("VKMOE_MOE_DIRECT", "off")  # routed: routing, stage 1, then the dependency waits
@@ -154,7 +153,7 @@ def test_forced_oversubscription_falls_back_to_split_quickly(device, tmp_path):
         import numpy as np
         sys.path.insert(0, {os.path.join(REPO, 'tests')!r})
         import vkmoe
-        from goldens import golden_files, load_layer, poison_scratch
+        from goldens import golden_files, load_layer
         L = load_layer(golden_files()[0])
         call = L.calls[0]
         with vkmoe.Device() as dev:
