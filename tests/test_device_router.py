@@ -149,6 +149,64 @@ def test_group_ties_pick_the_lower_group(device):
     np.testing.assert_allclose(wts, w_np, rtol=2e-6)
 
 
+def _group_rows(n_experts, n_group, seed):
+    """Tokens for the group-limited selection at one group width: every group's two best logits from a small set
+    of pairs (so that equal pairs tie exactly in any precision, and unequal ones differ far above fp32's rounding),
+    placed anywhere in the group, over a floor of low ties; pairs held by several groups (ties: the lower group),
+    a group whose best value is held twice, all groups equal, and one token where every group's best sits on its
+    first and last expert."""
+    rng = np.random.default_rng(seed)
+    per = n_experts // n_group
+    pairs = [(4.0, 3.0), (3.5, 3.5), (4.0, 1.0), (2.0, 1.5), (3.0, 0.5)]
+    rows = []
+    for _ in range(3):
+        r = rng.integers(-24, -20, n_experts) / 4
+        for g in range(n_group):
+            a, b = pairs[rng.integers(len(pairs))]
+            at = g * per + rng.permutation(per)[:2]
+            r[at[0]], r[at[1]] = a, b if per >= 2 else a
+        rows.append(r)
+    rows.append(np.zeros(n_experts))
+    r = np.full(n_experts, -5.0)
+    r[0::per], r[per - 1::per] = 2.0, rng.integers(0, 8, n_group) / 4
+    rows.append(r)
+    return np.stack(rows)
+
+
+@pytest.mark.parametrize("n_group", [64, 32, 16, 8, 4])
+def test_group_scores_at_every_group_width(device, n_group):
+    """dots over 256 experts in groups of 4 .. 64: the width that equals the device's subgroup size takes the
+    subgroup form of the group scores (router_select.glsl), the others the loop; both give the float64 router's
+    experts and weights, exact group ties included."""
+    n_experts, k = 256, 8
+    w, x = _exact_rows(_group_rows(n_experts, n_group, seed=n_group))
+    for topk_group in (1, max(1, n_group // 4), n_group // 2):
+        ids, wts = _route_k(device, "dots", w, x, k, n_group=n_group, topk_group=topk_group, norm=True,
+                            routed_scaling_factor=2.0)
+        ids64, w64 = sigmoid_group_topk(router_logits(x, w, np.float64), None, k, n_group, topk_group, True, 2.0)
+        assert np.array_equal(ids, ids64), (n_group, topk_group)
+        np.testing.assert_allclose(wts, w64, rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("n_group", [32, 8])
+def test_group_scores_skip_nan_choices(device, n_group):
+    """NaN logits inside a group do not count towards its score (the loop form skips them; the subgroup form
+    takes them as -inf): a group whose best logit is NaN scores by its numbers."""
+    n_experts, k, per = 256, 8, 256 // n_group
+    vals = np.full((1, n_experts), -4.0)
+    vals[0, 0 * per + 1], vals[0, 0 * per + 2] = 1.0, 0.75           # group 0: 1.0 + 0.75
+    vals[0, 1 * per + 0], vals[0, 1 * per + 3] = 3.0, 0.5            # group 1: NaN at per + 0, then 0.5 + -4.0
+    vals[0, 2 * per + 2], vals[0, 2 * per + 3] = 0.5, 0.25           # group 2: 0.5 + 0.25
+    w, x = _exact_rows(vals)
+    w[1 * per + 0, 0] = np.nan
+    z = router_logits(x, w, np.float64)
+    ids, wts = _route_k(device, "dots", w, x, k, n_group=n_group, topk_group=2, norm=True, routed_scaling_factor=1.0)
+    ids64, w64 = sigmoid_group_topk(z, None, k, n_group, 2, True, 1.0)
+    assert set(ids64[0] // per) == {0, 2}  # group 1's NaN did not count
+    assert np.array_equal(ids, ids64)
+    np.testing.assert_allclose(wts, w64, rtol=2e-6, atol=1e-7)
+
+
 def test_router_refuses_bad_arguments(device):
     w = _weights(0)
     with pytest.raises(ValueError, match="family"):

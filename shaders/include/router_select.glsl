@@ -76,31 +76,61 @@ void scores(uint t, uint E) {
     barrier();
 }
 
-bool group_kept(uvec2 keep, uint g) { return ((g < 32u ? keep.x >> g : keep.y >> (g - 32u)) & 1u) != 0u; }
-
 // dots with n_group > 1: group score = sum of the group's top two choice values; the best topk_group groups
-// (ties: lower group index) stay, the others' experts drop to -inf. Every invocation ranks the groups (the same
-// answer everywhere), so no loop runs in one invocation only.
+// (ties: lower group index) stay, the others' experts drop to -inf.
+//
+// The group scores: where a group is exactly one subgroup (E / n_group == the subgroup size, and every subgroup's
+// experts in one group: invocations in subgroups of consecutive ids, checked), two subgroupMax give its top two
+// (a NaN taken as -inf: the loop never takes one; a max held twice is also the second value); else invocation g
+// loops over group g. The keep set: invocation g ranks group g against all groups (as select_topk ranks experts:
+// the same set as topk_group rounds of an argmax under the tie rule, a NaN score never kept), one loop of n_group
+// steps instead of topk_group x n_group in every invocation. H100, DeepSeek-V3 shape (8 groups of 32) m = 1, the
+// router's dispatch: 2.2 us of 13.4 in the per-invocation loops (BENCHMARKS.md, twenty-ninth session).
+shared uint s_keep[ROUTER_MAX_GROUPS];
+shared uint s_group_split[4];  // 16 bytes: a subgroup whose experts span two groups (the loop form then runs)
+
+void group_scores(uint E, uint groups, uint per) {
+    uint tid = gl_LocalInvocationID.x;
+    bool by_subgroup = per == gl_SubgroupSize;  // (uniform)
+    if (by_subgroup) {
+        if (tid == 0u) s_group_split[0] = 0u;
+        barrier();
+        for (uint e0 = 0u; e0 < E; e0 += 256u) {
+            uint e = e0 + tid, g = e / per;
+            float v = e < E ? s_choice[e] : -1.0 / 0.0;
+            v = isnan(v) ? -1.0 / 0.0 : v;
+            float a = subgroupMax(v);
+            uint held = subgroupBallotBitCount(subgroupBallot(v == a));
+            float second = subgroupMax(v == a ? -1.0 / 0.0 : v);
+            if (subgroupBallot(g != subgroupBroadcastFirst(g)) != uvec4(0u)) s_group_split[0] = 1u;
+            if (subgroupElect() && g < groups) s_group[g] = a + (held >= 2u ? a : second);
+        }
+        barrier();
+        by_subgroup = wg_uniform(s_group_split[0]) == 0u;
+    }
+    if (!by_subgroup) {
+        uint g_own = min(tid, groups - 1u);
+        float a = -1.0 / 0.0, b = -1.0 / 0.0;
+        for (uint j = 0u; j < per; j++) {
+            float v = s_choice[g_own * per + j];
+            if (v > a) { b = a; a = v; } else if (v > b) b = v;
+        }
+        if (tid < groups) s_group[tid] = per >= 2u ? a + b : a;
+    }
+    barrier();
+}
+
 void limit_groups(uint E) {
     uint tid = gl_LocalInvocationID.x, groups = wg_uniform(pc.n_group), per = wg_uniform(E / pc.n_group);
-    uint g_own = min(tid, groups - 1u);
-    float a = -1.0 / 0.0, b = -1.0 / 0.0;
-    for (uint j = 0u; j < per; j++) {
-        float v = s_choice[g_own * per + j];
-        if (v > a) { b = a; a = v; } else if (v > b) b = v;
-    }
-    if (tid < groups) s_group[tid] = per >= 2u ? a + b : a;
+    group_scores(E, groups, per);
+    uint g_own = min(tid, groups - 1u), rank = 0u;
+    float own = s_group[g_own];
+    for (uint h = 0u; h < groups; h++) rank += better(s_group[h], h, own, g_own) ? 1u : 0u;
+    if (tid < groups) s_keep[tid] = uint(!isnan(own) && rank < wg_uniform(pc.topk_group));
     barrier();
-    uvec2 keep = uvec2(0u);
-    for (uint r = 0u; r < wg_uniform(pc.topk_group); r++) {
-        float bv = -1.0 / 0.0; uint bi = NONE;
-        for (uint g = 0u; g < groups; g++)
-            if (!group_kept(keep, g) && better(s_group[g], g, bv, bi)) { bv = s_group[g]; bi = g; }
-        if (bi < 32u) keep.x |= 1u << bi; else keep.y |= 1u << (bi - 32u);
-    }
     for (uint e0 = 0u; e0 < E; e0 += 256u) {
         uint e = e0 + tid;
-        if (e < E && !group_kept(keep, e / per)) s_choice[e] = -1.0 / 0.0;
+        if (e < E && s_keep[e / per] == 0u) s_choice[e] = -1.0 / 0.0;
     }
     barrier();
 }
@@ -140,8 +170,13 @@ void select_topk(uint E) {
             uint e = e0 + tid;
             float v = e < E ? s_choice[e] : uintBitsToFloat(0x7FC00000u);  // (past E: NaN, never a candidate)
             uint rank = 0u;
-            for (uint j = 0u; j < gl_SubgroupSize; j++)
-                rank += better(subgroupShuffle(v, j), subgroupShuffle(e, j), v, e) ? 1u : 0u;
+            for (uint j = 0u; j < gl_SubgroupSize; j += 4u) {  // 4 rivals a step: independent shuffles in flight
+                [[unroll]] for (uint u = 0u; u < 4u; u++) {
+                    uint src = min(j + u, gl_SubgroupSize - 1u);  // (subgroups narrower than 4: counted once)
+                    bool beats = better(subgroupShuffle(v, src), subgroupShuffle(e, src), v, e);
+                    rank += j + u < gl_SubgroupSize && beats ? 1u : 0u;
+                }
+            }
             if (!isnan(v) && rank < per_group) {
                 uint slot = ((e0 / 256u) * gl_NumSubgroups + gl_SubgroupID) * per_group + rank;
                 s_cand[slot] = e;
@@ -152,7 +187,10 @@ void select_topk(uint E) {
         uint e = s_cand[tid];
         float v = s_cand_v[tid];
         uint rank = 0u;
-        for (uint j = 0u; j < slots; j++) rank += better(s_cand_v[j], s_cand[j], v, e) ? 1u : 0u;
+        // 8 candidates a step (past `slots` every entry is NONE / NaN, which beats nobody, up to s_cand's 256)
+        for (uint j = 0u; j < slots; j += 8u) {
+            [[unroll]] for (uint u = 0u; u < 8u; u++) rank += better(s_cand_v[j + u], s_cand[j + u], v, e) ? 1u : 0u;
+        }
         if (tid < slots && !isnan(v) && rank < top_k) s_sel[rank] = e;
     } else {
         for (uint e0 = 0u; e0 < E; e0 += 256u) {
@@ -200,7 +238,12 @@ void write_weights(uint t) {
     uint tid = gl_LocalInvocationID.x, top_k = wg_uniform(pc.top_k);
     bool norm = FAMILY == ROUTER_SQRTSP || FAMILY == ROUTER_SQRTSP_HASH || pc.norm != 0u;
     float total = 0.0;
-    for (uint k = 0u; k < top_k; k++) total += s_sel[k] == NONE ? 0.0 : s_score[s_sel[k]];
+    for (uint k0 = 0u; k0 < top_k; k0 += 4u) {  // in slot order, 4 slots' reads in flight a step
+        [[unroll]] for (uint u = 0u; u < 4u; u++) {
+            uint k = k0 + u, e = k < top_k ? s_sel[min(k, MAX_TOP_K - 1u)] : NONE;
+            total += e == NONE ? 0.0 : s_score[e];
+        }
+    }
     if (FAMILY != ROUTER_STD) total += 1e-20;
     if (tid < top_k) {
         uint e = s_sel[tid];
