@@ -7,6 +7,9 @@
 // Direct mode (DIRECT, one row: m = 1): binding 0 holds x itself, and each workgroup builds the input Hadamard
 // of the 128-blocks its k-range covers in shared memory while its first weight tiles are in flight (the same
 // arithmetic as exl3_had_in.comp, so the same bits), instead of a dispatch and a barrier of their own before it.
+// Direct mode with ACT_IN (a device block's shared down, vkmoe/ops/block.py): x is the activation of the shared
+// gate (binding 0) and up (binding 8) outputs, computed while the row is built (block_math.glsl: the bits of the
+// block's own activation pass), so the shared down needs no pass before it.
 #include "common.glsl"
 #define WG_SIZE 256u
 layout(local_size_x = 256) in;
@@ -16,6 +19,7 @@ layout(constant_id = SPEC_LINEAR_CB) const int CB = 2;
 layout(constant_id = SPEC_LINEAR_ROWS) const int GEMM_ROWS = 16;
 layout(constant_id = SPEC_LINEAR_HAS_BIAS) const bool HAS_BIAS = false;
 layout(constant_id = SPEC_LINEAR_DIRECT) const bool DIRECT = false;
+layout(constant_id = SPEC_LINEAR_ACT_IN) const int ACT_IN = -1;  // direct mode: x = act(binding 0, binding 8); -1: x
 
 layout(std430, binding = 0) readonly buffer XH { uint xh[]; };       // (m, k) fp16, input Hadamard applied (DIRECT: x)
 layout(std430, binding = 1) readonly buffer Trellis { uint trellis[]; };
@@ -28,7 +32,12 @@ layout(std430, binding = 4) writeonly buffer Y { uint y[]; };        // (m, n) f
 layout(std430, binding = 5) nonprivate buffer Partial { float partial[]; };   // (splits, m, n) fp32
 layout(std430, binding = 6) nonprivate buffer Counters { uint counters[]; };  // one per (row chunk, band), start at 0
 layout(std430, binding = 7) readonly buffer Suh { uint suh[]; };     // (k,) fp16 (read in DIRECT mode only)
-layout(push_constant) uniform Push { uint m; uint k; uint n; uint splits; uint kt_per_split; } pc;
+layout(std430, binding = 8) readonly buffer UpIn { uint up_in[]; };  // (1, k) fp16: ACT_IN's up (binding 0: gate)
+layout(push_constant) uniform Push {
+    uint m; uint k; uint n; uint splits; uint kt_per_split;
+    float act_limit;    // ACT_IN: the activation's limit (0: none)
+    uint opaque_zero;   // always 0: see linear_x_word
+} pc;
 
 uint gemm_b_word(int src, uint index) { return trellis[index]; }
 uvec4 gemm_a_word4(const int src, uint index);
@@ -37,7 +46,15 @@ uvec4 gemm_b_word4(int src, uint index) { return trellis4[index]; }
 uint linear_kt0 = 0u, linear_kt1 = 0u;
 void linear_direct_a_row(uint kt0, uint kt1);
 #define GEMM_AFTER_PREFETCH(a_src) if (DIRECT) linear_direct_a_row(linear_kt0, linear_kt1)
-#define HAD_IN_X(i) xh[i]
+#include "block_math.glsl"
+// The activated pair is xor-ed with pc.opaque_zero (0 at run time) before the Hadamard unpacks it: measured on an
+// H100 (BENCHMARKS.md, twenty-ninth session), the driver otherwise folds the fp16 pack and unpack together, and the
+// row takes the unrounded fp32 activation: other bits than the block's activation pass writes.
+uint linear_x_word(uint i) {
+    if (ACT_IN < 0) return xh[i];
+    return block_activate_pair(xh[i], up_in[i], uint(ACT_IN), pc.act_limit) ^ pc.opaque_zero;
+}
+#define HAD_IN_X(i) linear_x_word(i)
 #define HAD_IN_SUH(i) suh[i]
 #include "exl3_decode.glsl"
 #include "hadamard128.glsl"

@@ -8,28 +8,12 @@
 #include "common.glsl"
 layout(local_size_x = 256) in;
 #include "generated/moe_layout.glsl"
+#include "block_math.glsl"
 
 layout(std430, binding = 0) readonly buffer A { uint a[]; };
 layout(std430, binding = 1) readonly buffer B { uint b[]; };
 layout(std430, binding = 2) buffer C { uint c[]; };
 layout(push_constant) uniform Push { uint pairs; uint cols; uint mode; uint act; float limit; uint has_gate; } pc;
-
-float sigmoid(float x) { return 1.0 / (1.0 + exp(-x)); }
-
-float activate(float g, float u) {
-    float L = pc.limit;
-    if (pc.act == ACT_SWIGLU_OAI) {
-        if (L != 0.0) { g = min_nan(g, L); u = clamp_nan(u, -L, L); }
-        return (u + 1.0) * g * sigmoid(1.702 * g);
-    }
-    float x;
-    if (pc.act == ACT_SILU) x = g * sigmoid(g);
-    else if (pc.act == ACT_GELU) x = 0.5 * g * (1.0 + tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)));
-    else if (pc.act == ACT_GELU_ERF) x = 0.5 * g * (1.0 + erf_approx(g * 0.7071067811865476));
-    else x = max_nan(u, 0.0);
-    if (L != 0.0) { x = min_nan(x, L); u = clamp_nan(u, -L, L); }
-    return x * u;
-}
 
 void main() {
     uint p = (gl_WorkGroupID.y * gl_NumWorkGroups.x + gl_WorkGroupID.x) * 256u + gl_LocalInvocationID.x;
@@ -37,16 +21,15 @@ void main() {
     if (pc.mode == ELEM_TO_F16) {
         c[p] = packHalf2x16(vec2(uintBitsToFloat(a[2u * p]), uintBitsToFloat(a[2u * p + 1u])));
     } else if (pc.mode == ELEM_ACTIVATE) {
-        vec2 u = unpackHalf2x16(b[p]), g = pc.act == ACT_RELU2 ? u : unpackHalf2x16(a[p]);
-        c[p] = packHalf2x16(vec2(activate(g.x, u.x), activate(g.y, u.y)));
+        c[p] = block_activate_pair(a[p], b[p], pc.act, pc.limit);
     } else if (pc.mode == ELEM_TO_F32) {
         vec2 v = unpackHalf2x16(a[p]);
         c[2u * p] = floatBitsToUint(v.x);
         c[2u * p + 1u] = floatBitsToUint(v.y);
     } else {
-        float gate = pc.has_gate != 0u ? sigmoid(uintBitsToFloat(b[(2u * p) / pc.cols])) : 1.0;
-        vec2 s = unpackHalf2x16(a[p]) * gate;
-        c[2u * p] = floatBitsToUint(uintBitsToFloat(c[2u * p]) + s.x);
-        c[2u * p + 1u] = floatBitsToUint(uintBitsToFloat(c[2u * p + 1u]) + s.y);
+        float gate = pc.has_gate != 0u ? block_sigmoid(uintBitsToFloat(b[(2u * p) / pc.cols])) : 1.0;
+        vec2 s = unpackHalf2x16(a[p]);
+        c[2u * p] = floatBitsToUint(block_add_shared(uintBitsToFloat(c[2u * p]), s.x, gate));
+        c[2u * p + 1u] = floatBitsToUint(block_add_shared(uintBitsToFloat(c[2u * p + 1u]), s.y, gate));
     }
 }

@@ -187,20 +187,91 @@ def test_one_token_linears_in_direct_mode_give_the_same_bits(blocks, device, key
             a.close()
 
 
-def _recorded_phases(device, block, x, m):
-    """The shaders each phase of block's recording dispatches (phases end at a barrier), and the block's output."""
+def _recorded_phases(device, block, x, m, mode="split", tokens=None):
+    """The shaders each phase of block's recording dispatches (phases end at a barrier), and the block's output
+    (None where a persistent launch aborted: its output is not valid); tokens: a hash layer's (m,) int32 ids."""
     phases, current = [], []
-    with DeviceArray.from_numpy(device, x) as xd, _poisoned(device, m) as out, CommandRecorder(device) as rec:
+    with DeviceArray.from_numpy(device, x) as xd, _poisoned(device, m) as out, CommandRecorder(device) as rec, \
+            DeviceArray.from_numpy(device, np.zeros(1, np.int32) if tokens is None else tokens) as td:
         dispatch, barrier = rec.dispatch, rec.barrier
         rec.dispatch = lambda pipe, *a, **kw: current.append(pipe.name) or dispatch(pipe, *a, **kw)
         rec.barrier = lambda: (phases.append(list(current)), current.clear(), barrier())
         rec.begin()
-        sets = block.device_block.record_buffers(rec, xd.buffer, False, None, out.buffer, m, pin=False)
+        sets = block.device_block.record_buffers(rec, xd.buffer, False, None if tokens is None else td.buffer,
+                                                 out.buffer, m, mode=mode, pin=False)
         rec.end()
         rec.submit(wait=True)
         for d in sets:
             d.free()
+        if mode == "persistent" and block.device_block.aborted(m):
+            block.device_block.moe.reset_after_abort(m, block.config.top_k)
+            return phases, None
         return phases, out.numpy()
+
+
+def _has(phase, shader):  # (a shader's name carries its build: moe_down_f16, exl3_linear_idot, ...)
+    return any(n.startswith(shader) for n in phase)
+
+
+# Blocks with a shared expert and none of what keeps the sum pass (RMSNorms, latent projections): a plain shared
+# expert, a sigmoid-gated one, relu2 (no gate projection), act limits (deepseek_v4's second layer: not hashed).
+FUSED = [("deepseek_v3", 0), ("qwen3_next", 0), ("nemotron_h", 0), ("deepseek_v4", 1), ("step3p5", 0)]
+
+
+@pytest.mark.parametrize("mode", ["split", "persistent"])
+@pytest.mark.parametrize("name, layer", FUSED)
+def test_fused_shared_sum_gives_the_unfused_bits(device, blocks, name, layer, mode):
+    """At m = 1 the shared down builds its row from act(gate, up) and the routed experts' token sums add the
+    shared output (x sigmoid(its gate logit)): no activation or sum pass, the shared down beside the routed
+    gate/up, the routed down last and alone; the output is bit for bit the unfused recording's (activation pass,
+    shared down beside the routed down, sum pass), in split and persistent mode."""
+    block = blocks[name, layer]
+    db, top_k = block.device_block, block.config.top_k
+    assert block.router != "sqrtsp_hash"
+    if mode == "persistent" and db.moe.decided_mode(1, top_k, "persistent") != "persistent":
+        pytest.skip("the scheduler runs no persistent launch for this layer on this device")
+    assert db._fuses_shared_sum(1, mode)  # (else this test could not fail)
+    x = _hidden(1, seed=60 + layer)
+    for attempt in range(3):  # (a persistent launch that aborted under load is recorded again)
+        poison_block_scratch(block)
+        phases, fused = _recorded_phases(device, block, x, 1, mode)
+        db._fuse_shared_sum = False
+        try:
+            poison_block_scratch(block)
+            plain_phases, unfused = _recorded_phases(device, block, x, 1, mode)
+        finally:
+            db._fuse_shared_sum = True
+        if fused is not None and unfused is not None:
+            break
+    else:
+        pytest.fail("three persistent launches in a row aborted")
+    assert np.array_equal(fused, unfused) and np.all(np.isfinite(fused))
+    assert _rel_rms(fused, block.reference(x)) < TOL
+    assert not any(_has(p, "moe_block_elem") for p in phases), phases
+    assert _has(plain_phases[-1], "moe_block_elem") and len(plain_phases) == len(phases) + 1 + (mode == "persistent")
+    busy = [p for p in phases if p]  # (a persistent record() ends with a barrier of its own: an empty phase)
+    routed_last = "moe_down" if mode == "split" else "moe_persistent"
+    assert len(busy[-1]) == 1 and busy[-1][0].startswith(routed_last), phases
+    assert _has(busy[-2], "exl3_linear"), phases  # the shared down just before it
+
+
+def test_fused_shared_sum_of_a_token_with_no_routed_expert(device, blocks):
+    """A hash layer's token outside the table has no valid slot: the routed experts' down dispatch writes its row,
+    which with the fused shared sum is 0 + the shared output, as the unfused sum pass makes it."""
+    block = blocks["deepseek_v4", 0]
+    db = block.device_block
+    assert block.router == "sqrtsp_hash" and db._fuses_shared_sum(1, "split")
+    x, tokens = _hidden(1, seed=70), np.array([block.config.vocab_size + 5], np.int32)
+    poison_block_scratch(block)
+    _, fused = _recorded_phases(device, block, x, 1, tokens=tokens)
+    db._fuse_shared_sum = False
+    try:
+        poison_block_scratch(block)
+        _, unfused = _recorded_phases(device, block, x, 1, tokens=tokens)
+    finally:
+        db._fuse_shared_sum = True
+    assert np.array_equal(fused, unfused) and np.all(np.isfinite(fused)) and np.any(fused != 0)
+    assert np.array_equal(db.router(x, tokens)[0], [[-1] * block.config.top_k])  # (else this test could not fail)
 
 
 @pytest.mark.parametrize("direct", ["on", "off"])
@@ -208,11 +279,14 @@ def _recorded_phases(device, block, x, m):
 def test_shared_down_gemm_runs_beside_the_routed_down(device, tmp_path, monkeypatch, m, direct):
     """The shared expert's chain ends with the routed experts' (its down GEMM in the routed down GEMM's phase, then
     the sum) whether the routed op has three split dispatches or two (direct mode) and whether the shared down has
-    an input Hadamard (m > 1) or not (m = 1): no phase holds the shared down GEMM alone. Output == the call's."""
+    an input Hadamard (m > 1) or not (m = 1): no phase holds the shared down GEMM alone. Output == the call's.
+    (The recording of the fused shared sum, direct mode at m = 1, is test_fused_shared_sum_gives_the_unfused_bits's:
+    here the block is made to record the sum pass.)"""
     monkeypatch.setenv("VKMOE_MOE_DIRECT", direct)  # (read when the block's routed op first plans this m)
     path = write_checkpoint(str(tmp_path / "ds"), arch="deepseek_v3", hidden=H, intermediate=128, seed=41,
                             **ARCHS["deepseek_v3"])
     block = SparseMoeBlock.from_checkpoint(path, 0, backend="vulkan", device=device)
+    block.device_block._fuse_shared_sum = False
     try:
         x = _hidden(m, seed=m)
         want = block(x)
@@ -221,9 +295,7 @@ def test_shared_down_gemm_runs_beside_the_routed_down(device, tmp_path, monkeypa
         phases, got = _recorded_phases(device, block, x, m)
         assert np.array_equal(got, want)
 
-        def has(phase, shader):  # (a shader's name carries its build: moe_down_f16, exl3_linear_idot, ...)
-            return any(n.startswith(shader) for n in phase)
-
+        has = _has
         router = [i for i, p in enumerate(phases) if has(p, "moe_router")]
         down = [i for i, p in enumerate(phases) if has(p, "moe_down")]
         assert len(router) == 1 and len(down) == 1 and phases[-1] == ["moe_block_elem"], phases
@@ -502,3 +574,28 @@ def test_shape_cache_bounds_the_calls(blocks, monkeypatch, name):
     for op in [*(block.shared_ops or {}).values(), *(block.latent_ops or {}).values()]:
         assert 1 not in op._pinned
     assert np.array_equal(block(_hidden(1, seed=30)), first)
+
+
+def test_routed_record_refuses_a_bad_shared(device, blocks):
+    """Exl3MoeMlp.record(shared=...): a tuple (fp16 (m, H) output, fp32 (m,) gate logits or None), each an open
+    buffer of this device large enough; anything else raises naming the argument, recording nothing."""
+    moe = blocks["deepseek_v3", 0].device_block.moe
+    m, top_k = 2, 2
+    mem = device.memory
+    bufs = [mem.allocate(n) for n in (m * H * 2, m * top_k * 4, m * top_k * 4, m * H * 4, m * H * 2, 4)]
+    hidden, ids, weights, out, s_out, small = bufs
+    try:
+        with CommandRecorder(device) as rec:
+            rec.begin()
+            with pytest.raises(TypeError, match="shared: expected None or"):
+                moe.record(rec, hidden, ids, weights, out, m, top_k, shared=s_out)
+            with pytest.raises(ValueError, match=r"shared\[0\] \(the shared output\) holds 4 bytes"):
+                moe.record(rec, hidden, ids, weights, out, m, top_k, shared=(small, None))
+            with pytest.raises(ValueError, match=r"shared\[1\] \(the gate logits\) holds 4 bytes"):
+                moe.record(rec, hidden, ids, weights, out, m, top_k, shared=(s_out, small))
+            with pytest.raises(ValueError, match=r"shared\[1\]"):
+                moe.split_stages(hidden, ids, weights, out, m, top_k, shared=(s_out, small))
+            rec.end()
+    finally:
+        for b in bufs:
+            b.close()

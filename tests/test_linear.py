@@ -363,3 +363,76 @@ def test_input_hadamard_grid_folds_past_the_workgroup_count_limit(device):
     for rows in (slice(0, 64), slice(131008, m)):  # the first workgroups, and those of the folded second row
         ref = reference.linear_forward(x[rows], tensor)
         assert rel_rms(y[rows].astype(np.float32), ref.astype(np.float32)) < TOL
+
+
+# ------------------------------------------------------------------ direct mode with the activation fused in
+def _stage_run(device, layer, x_dev, m, activated=None):
+    """The linear's GEMM stage alone (direct mode: no input Hadamard stage) into a poisoned output; fp16 bits."""
+    from vkmoe.ops.device_array import DeviceArray
+    from vkmoe.vk import CommandRecorder
+
+    with DeviceArray.from_numpy(device, np.full((m, layer.n), np.nan, np.float16)) as y, \
+            CommandRecorder(device) as rec:
+        had_in, gemm = layer.stages(x_dev.buffer, y.buffer, m, activated=activated)
+        assert had_in is None
+        rec.begin()
+        dset = gemm(rec)
+        rec.barrier()
+        rec.end()
+        rec.submit(wait=True)
+        dset.free()
+        return y.numpy().view(np.uint16).copy()
+
+
+@pytest.mark.parametrize("activation,limit", [("silu", 0.0), ("gelu", 0.0), ("gelu_erf", 0.0), ("relu2", 0.0),
+                                              ("swiglu_oai", 7.0), ("silu", 0.75)])
+def test_direct_mode_activates_its_row_as_the_block_pass_does(device, activation, limit):
+    """stages(activated=(up, activation, limit)) at m = 1 (a device block's shared down): the GEMM builds its row
+    as fp16(act(gate, up)) itself; the output has the bits of the block's activation pass (moe_block_elem
+    ELEM_ACTIVATE) followed by the plain direct-mode GEMM. Gate and up values large enough that the activation's
+    fp16 rounding matters (on an H100 the driver dropped it until linear_x_word hid the round trip)."""
+    from vkmoe import layout
+    from vkmoe.ops import kernels
+    from vkmoe.ops.block import ElemPush
+    from vkmoe.ops.device_array import DeviceArray
+    from vkmoe.vk import CommandRecorder
+
+    k, n = 512, 256
+    t = make_tensor(k, n, 4, "mul1", seed=11)
+    g, u = make_x(1, k, seed=12, scale=2.0), make_x(1, k, seed=13, scale=2.0)
+    with vkmoe.Exl3Linear(device, t) as layer, DeviceArray.from_numpy(device, g) as gd, \
+            DeviceArray.from_numpy(device, u) as ud, DeviceArray.from_numpy(device, np.zeros_like(g)) as pd:
+        assert layer.direct(1)
+        pipe = kernels.pipeline(device, "moe_block_elem", ElemPush)
+        with CommandRecorder(device) as rec:
+            rec.begin()
+            dset = pipe.bind(gd.buffer, ud.buffer, pd.buffer)
+            rec.dispatch(pipe, dset, (layout.ceil_div(k // 2, layout.WORKGROUP_SIZE), 1),
+                         ElemPush(pairs=k // 2, cols=1, mode=layout.ELEM_ACTIVATE, act=layout.ACTIVATIONS[activation],
+                                  limit=limit, has_gate=0))
+            rec.end()
+            rec.submit(wait=True)
+            dset.free()
+        plain = _stage_run(device, layer, pd, 1)
+        fused = _stage_run(device, layer, gd, 1, activated=(ud.buffer, activation, limit))
+        assert np.array_equal(fused, plain) and np.all(np.isfinite(plain.view(np.float16)))
+        check_close(plain.view(np.float16), pd.numpy(), t, "the activated row")
+
+
+def test_activated_stages_refuse_what_they_cannot_run(device):
+    t = make_tensor(256, 128, 4, "mul1", seed=14)
+    from vkmoe.ops.device_array import DeviceArray
+
+    with vkmoe.Exl3Linear(device, t) as layer, DeviceArray.from_numpy(device, make_x(2, 256)) as x, \
+            DeviceArray.from_numpy(device, np.zeros((2, 128), np.float16)) as y:
+        with pytest.raises(ValueError, match="activation must be one of"):
+            layer.stages(x.buffer, y.buffer, 1, activated=(x.buffer, "swish", 0.0))
+        assert not layer.direct(2)
+        with pytest.raises(ValueError, match="direct mode only"):
+            layer.stages(x.buffer, y.buffer, 2, activated=(x.buffer, "silu", 0.0))
+        small = device.memory.allocate(16)
+        try:
+            with pytest.raises(ValueError, match="activated up_buf"):  # (k = 256 fp16 values: 512 bytes)
+                layer.stages(x.buffer, y.buffer, 1, activated=(small, "silu", 0.0))
+        finally:
+            small.close()

@@ -18,7 +18,8 @@ MAX_TOP_K = 32          # per-token slot loops in moe_stages.glsl are unrolled t
 ROUTE_MAX_EXPERTS = 1024            # the split routing's shared counters (3 words per expert)
 PERSISTENT_ROUTE_MAX_EXPERTS = 256  # the persistent kernel's, kept inside 16 KiB of shared memory
 MAX_GRID_X = 65535      # the smallest maxComputeWorkGroupCount[0] Vulkan allows: larger grids fold into y
-MOE_BINDINGS = 19       # descriptor bindings shared by every MoE shader (moe_bindings.glsl)
+MOE_BINDINGS = 21       # descriptor bindings shared by every MoE shader (moe_bindings.glsl)
+MOE_SYNC_BINDING = 18   # of them, the sync words (the co-residency discovery binds its own words there)
 
 # ------------------------------------------------------------------------------------- codes shared with C
 ACTIVATIONS = {"silu": 0, "gelu": 1, "relu2": 2, "swiglu_oai": 3, "gelu_erf": 4}  # ACT_* (also native/vkn.h)
@@ -40,6 +41,7 @@ SPEC_MOE_PACED_SPIN = 7  # moe_persistent.comp: whole-workgroup spins, for a dri
 SPEC_MOE_STAGE3_IN_DOWN = 8  # stage 3 run by each down item for its own k-range, into its shared memory (moe_stages.glsl)
 # exl3_linear.comp and exl3_dequant.comp (the first two)
 SPEC_LINEAR_K, SPEC_LINEAR_CB, SPEC_LINEAR_ROWS, SPEC_LINEAR_HAS_BIAS, SPEC_LINEAR_DIRECT = 0, 1, 2, 3, 4
+SPEC_LINEAR_ACT_IN = 5  # exl3_linear.comp direct mode: x = act(gate, up) of a block's shared expert (ACT_*; -1: x)
 # every decoding shader's f16 build (exl3_decode.glsl): the driver fuses the fp16 fma exactly
 SPEC_F16_FMA_FUSED = 15
 # every shader that runs the 128-point Hadamard transform (hadamard128.glsl): the subgroup size of the subgroup
@@ -141,6 +143,9 @@ ROUTER_EXPERTS_PER_WG = 1
 ROUTER_MAX_GROUPS = 64        # dots: n_group limit (router_select.glsl's shared group scores)
 SOFTPLUS_THRESHOLD = 20.0     # sqrt(softplus): x itself above this (torch's default; routing.py uses the same)
 ELEM_TO_F16, ELEM_ACTIVATE, ELEM_ADD_SHARED, ELEM_TO_F32 = 0, 1, 2, 3  # moe_block_elem.comp modes
+# MoePush.shared_add: what the routed experts' token sums add to out (a device block's fused shared sum:
+# moe_stages.glsl moe_out_value): nothing, the shared output, or the shared output x sigmoid(its gate logit)
+SHARED_ADD_NONE, SHARED_ADD_PLAIN, SHARED_ADD_GATED = 0, 1, 2
 SPEC_ROUTER_WKIND, SPEC_ROUTER_X_F32, SPEC_ROUTER_FAMILY = 0, 1, 2
 
 
@@ -282,7 +287,7 @@ def _defines():
         yield f"ABORT_{name}", f"{globals()['ABORT_' + name]}u"
     for name in ("K_GATE", "K_UP", "K_DOWN", "CB", "ROWS", "ACT", "DIRECT", "PACED_SPIN", "STAGE3_IN_DOWN"):
         yield f"SPEC_MOE_{name}", str(globals()["SPEC_MOE_" + name])
-    for name in ("K", "CB", "ROWS", "HAS_BIAS", "DIRECT"):
+    for name in ("K", "CB", "ROWS", "HAS_BIAS", "DIRECT", "ACT_IN"):
         yield f"SPEC_LINEAR_{name}", str(globals()["SPEC_LINEAR_" + name])
     yield "SPEC_F16_FMA_FUSED", str(SPEC_F16_FMA_FUSED)
     yield "SPEC_HAD_SUBGROUP", str(SPEC_HAD_SUBGROUP)
@@ -306,6 +311,8 @@ def _defines():
     yield "SOFTPLUS_THRESHOLD", f"{SOFTPLUS_THRESHOLD:.1f}"
     for name in ("TO_F16", "ACTIVATE", "ADD_SHARED", "TO_F32"):
         yield f"ELEM_{name}", f"{globals()['ELEM_' + name]}u"
+    for name in ("NONE", "PLAIN", "GATED"):
+        yield f"SHARED_ADD_{name}", f"{globals()['SHARED_ADD_' + name]}u"
     for name in ("WKIND", "X_F32", "FAMILY"):
         yield f"SPEC_ROUTER_{name}", str(globals()["SPEC_ROUTER_" + name])
 

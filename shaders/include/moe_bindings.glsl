@@ -42,6 +42,9 @@ layout(std430, binding = 15) nonprivate buffer Inter { uint inter[]; };      // 
 layout(std430, binding = 16) nonprivate buffer Partial { float partial[]; }; // GEMM k-split partials, fp32
 layout(std430, binding = 17) nonprivate buffer Rows { float rows_out[]; };   // [R][H] fp32 per (token, slot)
 layout(std430, binding = 18) nonprivate buffer Sync { uint sync_words[]; };  // counters, tickets, barrier, abort
+// A device block's shared expert, added by the token sums where the block fuses its sum (pc.shared_add):
+layout(std430, binding = 19) readonly buffer SharedOut { uint shared_out[]; };   // (m, H) fp16
+layout(std430, binding = 20) readonly buffer SharedGate { float shared_gate[]; }; // (m,) fp32 gate logits
 // The same memory 16 bytes at a time, for the GEMM's vector loads.
 layout(std430, binding = 4) readonly buffer GT4 { uvec4 gate_trellis4[]; };
 layout(std430, binding = 7) readonly buffer UT4 { uvec4 up_trellis4[]; };
@@ -59,6 +62,7 @@ layout(push_constant) uniform MoePush {
     uint spin_limit;         // persistent kernel: iterations of one barrier spin before it gives up
     uint loop_budget;        // persistent kernel: spin iterations allowed in total (below a driver loop cap)
     uint mode;               // persistent kernel: MOE_MODE_RUN, or MOE_MODE_DISCOVER (co-residency discovery)
+    uint shared_add;         // SHARED_ADD_*: what the token sums add to out (a device block's shared expert)
 } pc;
 
 // The sync buffer (SYNC_* words, layout.py): the header, then the arrival counters, then per-chunk progress.

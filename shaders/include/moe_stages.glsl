@@ -26,6 +26,17 @@
 
 #ifndef MOE_STAGES_GLSL
 #define MOE_STAGES_GLSL
+#include "block_math.glsl"
+
+// What out[t, col] receives for the routed sum `routed` (0.0 for a token with no valid slot): the sum itself, or
+// with a device block's fused shared sum (pc.shared_add) the shared expert's output (· sigmoid(its gate logit))
+// added as the block's own sum pass adds it (block_math.glsl): the same bits, one pass and one barrier fewer.
+float moe_out_value(uint t, uint col, float routed) {
+    if (pc.shared_add == SHARED_ADD_NONE) return routed;
+    uint i = t * pc.H + col;
+    float gate = pc.shared_add == SHARED_ADD_GATED ? block_sigmoid(shared_gate[t]) : 1.0;
+    return block_add_shared(routed, f16_at(shared_out[i >> 1], i), gate);
+}
 
 // A sources of the GEMMs: the gate/up inputs (stage 1), the down input (stage 3), or (direct mode) the row a
 // gate/up item built in shared memory. The A accessors are defined below the GEMM core, which owns gemm_red.
@@ -388,7 +399,7 @@ void moe_stage1(uint u) {
         // run past lavapipe 22.3's per-invocation loop cap and leave rows unwritten.
         bool zero = r % projs == 0u && f < R() && f % pc.top_k == 0u && !live && valid_slots(f / pc.top_k) == 0u;
         [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j)
-            if (zero) out_h[(f / pc.top_k) * pc.H + h0 + j] = 0.0;
+            if (zero) out_h[(f / pc.top_k) * pc.H + h0 + j] = moe_out_value(f / pc.top_k, h0 + j, 0.0);
     }
 }
 
@@ -634,6 +645,7 @@ uint partial_down() {
 void moe_stage5(uint e, uint p0, uint q0, uint nr, uint band);
 void moe_stage5_token(uint t, uint band);
 
+
 void moe_down(uint item) {
     uint s = item % pc.splits_d;
     uint rest = item / pc.splits_d;
@@ -642,7 +654,8 @@ void moe_down(uint item) {
     moe_chunk(c, e, p0, nr);
     if (DIRECT && nr == 0u) {  // a slot with no valid expert; slot 0 zeroes the row of a token with none
         uint t = c / pc.top_k, tid = gl_LocalInvocationID.x;
-        if (s == 0u && c % pc.top_k == 0u && tid < 128u && moe_token_slots(t) == 0u) out_h[t * pc.H + band * 128u + tid] = 0.0;
+        if (s == 0u && c % pc.top_k == 0u && tid < 128u && moe_token_slots(t) == 0u)
+            out_h[t * pc.H + band * 128u + tid] = moe_out_value(t, band * 128u + tid, 0.0);
         return;
     }
     uint tiles_k = pc.I / 16u, tiles_n = pc.H / 16u;
@@ -741,7 +754,7 @@ void moe_stage5_token(uint t, uint band) {
         }
         barrier();
     }
-    if (tid < 128u) out_h[t * pc.H + band * 128u + tid] = acc;
+    if (tid < 128u) out_h[t * pc.H + band * 128u + tid] = moe_out_value(t, band * 128u + tid, acc);
 }
 
 // Rows of one chunk, one 128-band of H, HAD_PASS_ROWS per pass: the down output Hadamard, routing weight and svh
@@ -788,7 +801,7 @@ void moe_stage5(uint e, uint p0, uint q0, uint nr, uint band) {
             [[unroll]] for (int s = 0; s < MAX_TOP_K; ++s)
                 if (uint(s) < pc.top_k && valid_expert(expert_ids[t * pc.top_k + uint(s)]))
                     v += rows_out[(t * pc.top_k + uint(s)) * pc.H + col];
-            out_h[t * pc.H + col] = v;
+            out_h[t * pc.H + col] = moe_out_value(t, col, v);
         }
     }
     barrier();  // s_token_done is read before the next tail writes it

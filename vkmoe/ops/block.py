@@ -9,7 +9,11 @@ Phases (one barrier after each; the dispatches inside a phase are independent), 
     routed: gate/up GEMM, shared down input Hadamard
     routed: down GEMM, shared down GEMM
     [Gemma 4: routed-out RMSNorm] -> out += shared (· sigmoid(gate)) (Gemma 4: += RMSNorm(shared))
-The routed and the shared chains end together (the shared down GEMM beside the routed down): with the routed
+Fused shared sum (_fuses_shared_sum: m = 1, the shared down in the linear's direct mode, no RMSNorms, no latent
+projections, routed experts in direct mode or persistent): the shared down builds its row from act(gate, up) itself
+and runs beside the routed gate/up, and the routed experts' token sums add its output (Exl3MoeMlp's `shared`):
+    router, shared up + gate GEMMs | routed gate/up, shared down GEMM | routed down (+ shared)
+Otherwise the routed and the shared chains end together (the shared down GEMM beside the routed down): with the routed
 experts in direct mode (two dispatches, no routing pass) the shared activation runs beside the routed gate/up GEMM
 at m = 1 and in a phase of its own before it at m > 1. Without a shared expert: router, then the routed experts'
 dispatches. A persistent routed launch runs alone, after the shared expert's phases. At m = 1 the shared (and
@@ -115,7 +119,8 @@ class DeviceMoeBlock:
         self.shared = shared
         self.shared_n = shared["up"].n if shared else 0
         self.gate_gemv = RouterGemv(device, shared_gate_weight) if shared_gate_weight is not None else None
-        self.act, self.act_limit = layout.ACTIVATIONS[activation], float(shared_act_limit)
+        self.activation, self.act_limit = activation, float(shared_act_limit)
+        self.act = layout.ACTIVATIONS[activation]
         self.norms, self.eps = None, float(eps)
         if norms is not None:
             self.norms = {role: device.memory.allocate(self.H * 4) for role in norms}
@@ -132,6 +137,9 @@ class DeviceMoeBlock:
         self._closed = False  # (_general_call and _scratch_for raise once set, before the routed op would name
                               # itself; close() empties the hot calls, so every call and record gets there)
         self._dummy = device.memory.allocate(16)  # the token ids of a router that reads none
+        # The routed experts' token sums add the shared output where _fuses_shared_sum allows it (tests set it
+        # False on a block to compare the two recordings bit for bit).
+        self._fuse_shared_sum = True
         self._transfers = CallTransfers(device)
         self._lock = forksafe.RLock()  # one call at a time: the scratch and io buffers are per block
         self.last_gpu_time = None  # the last call's vkmoe.vk.GpuTime (last_gpu_ms reads it)
@@ -200,10 +208,12 @@ class DeviceMoeBlock:
             pre.append(lambda cmd: self._rmsnorm(cmd, "routed_in", r_buf, r_f32, s.e16, False, m))
             router_in, router_f32, experts_in = s.z16, False, s.e16
         steps = self.router.steps(router_in, router_f32, tokens_buf, s.logits, s.ids, s.weights, m)
+        fused = self._fuses_shared_sum(m, mode)
         # The shared expert's input Hadamards (and gate GEMV) take a phase of their own before the router, so that
         # its gate/up GEMMs (a memory-bound read of its weights) run beside the router (a latency-bound GEMV and
         # selection) rather than beside the short routing pass.
-        shared = self._shared_phases(x16, s, m) if self.shared else [[], []]
+        shared = self._shared_phases(x16, s, m, fused) if self.shared else [[], []]
+        add = (s.s, s.gate_logits if self.gate_gemv is not None else None) if fused else None
         early = [shared[0]] if self.shared else []
         # (a shared phase with no step, down's input Hadamard of a direct-mode linear at m = 1, is dropped: it
         # would take a place in the alignment below)
@@ -216,28 +226,45 @@ class DeviceMoeBlock:
             rest, experts_in, routed_out = rest[1:], s.xl, s.rl
         if mode == "split":
             routed = [[st] for st in self.moe.split_stages(experts_in, s.ids, s.weights, routed_out, m,
-                                                          self.top_k)]
+                                                          self.top_k, shared=add)]
             # The two chains end together: the shared down GEMM beside the routed down (the cheaper neighbour,
             # measured: see _shared_phases), and where one chain is longer its first phases run alone. A shared
             # chain longer than the routed one (direct mode: two dispatches; act, down's Hadamard, down's GEMM)
             # so starts with the short activation alone instead of ending with the shared down GEMM alone.
+            # Fused (the routed down adds the shared output): the shared chain ends one phase earlier, beside the
+            # routed gate/up, and the routed down runs alone.
+            tail = routed[-1:] if fused else []
+            routed = routed[:-1] if fused else routed
             n = max(len(routed), len(rest))
             pad = lambda chain: [[]] * (n - len(chain)) + chain  # noqa: E731 (empty phases first)
-            later = ahead + [r + sh for r, sh in zip(pad(routed), pad(rest))]
+            later = ahead + [r + sh for r, sh in zip(pad(routed), pad(rest))] + tail
         else:  # a persistent launch wants the whole device: nothing runs beside it
             def persistent(cmd):
-                self.moe.record(cmd, experts_in, s.ids, s.weights, routed_out, m, self.top_k, mode=mode)
+                self.moe.record(cmd, experts_in, s.ids, s.weights, routed_out, m, self.top_k, mode=mode, shared=add)
             later = ahead + rest + [[persistent]]
         phases = ([pre] if pre else []) + early + [first] + later
         if self.latent is not None:
             phases += self._latent_tail(s, out_buf, m)
         if self.norms is not None:
             phases.append([lambda cmd: self._rmsnorm(cmd, "routed_out", out_buf, True, out_buf, True, m)])
-        if self.shared:
+        if self.shared and not fused:
             phases.append([lambda cmd: self._shared_sum(cmd, s, out_buf, m)])
         return phases
 
-    def _shared_phases(self, x16, s, m):
+    def _fuses_shared_sum(self, m, mode):
+        """Whether the routed experts' token sums add the shared output (Exl3MoeMlp's `shared`) instead of a sum
+        pass after them: a shared expert whose down runs in the linear's direct mode at m (one row: it activates
+        its own input, so its chain ends beside the routed gate/up), no RMSNorms (Gemma 4 adds a normed shared
+        output) and no latent projections, and routed experts that zero the rows of tokens with no valid slot in
+        their last dispatch (direct mode) or that run as one persistent launch after the shared chain. Saves the
+        activation and the sum passes (docs/DESIGN.md, "The device block")."""
+        if not self.shared or self.norms is not None or self.latent is not None or not self._fuse_shared_sum:
+            return False
+        if not self.shared["down"].direct(m):
+            return False
+        return mode != "split" or self.moe.split_direct(m, self.top_k)
+
+    def _shared_phases(self, x16, s, m, fused=False):
         """The shared expert's phases: [up and gate input Hadamards, gate GEMV] (before the router), [up and
         gate GEMMs] (beside the router), [activation], [down's input Hadamard], [down's GEMM] (beside the routed
         experts' split dispatches). A linear in direct mode (m = 1: ops.plan.gemm_plan) has no input Hadamard
@@ -252,6 +279,10 @@ class DeviceMoeBlock:
         if self.gate_gemv is not None:  # sigmoid gate logits from the fp16 hidden, as the host path
             first.append(lambda cmd: self.gate_gemv.record(cmd, x16, False, s.gate_logits, m))
         second = [up[1]] + ([gate[1]] if gate[1] else [])
+        if fused:  # the down GEMM builds its row from the gate and up outputs: no activation pass
+            down = ops["down"].stages(s.g if "gate" in ops else s.u, s.s, m,
+                                      activated=(s.u, self.activation, self.act_limit))
+            return [first, second, [], [down[0]], [down[1]]]
         act = lambda cmd: self._elem(cmd, layout.ELEM_ACTIVATE, (s.g, s.u, s.p), m * self.shared_n)  # noqa: E731
         down = ops["down"].stages(s.p, s.s, m)
         # (down's GEMM stays beside the routed down GEMM even without its input Hadamard step: measured on the

@@ -40,9 +40,10 @@ def had_in_kernel(device):
     return kernels.pipeline(device, "exl3_had_in", kernels.HadInPush)
 
 
-def gemm_kernel(device, plan, bits, codebook, has_bias):
+def gemm_kernel(device, plan, bits, codebook, has_bias, act_in=-1):
     """The GEMM pipeline of a linear with GEMM plan `plan` (ops.plan.GemmPlan): the cooperative-matrix build
-    with plan.coop, else exl3_linear.comp (its decode build for the device) with plan.rows rows per pass."""
+    with plan.coop, else exl3_linear.comp (its decode build for the device) with plan.rows rows per pass; act_in
+    (an ACT_* code, direct mode only): the row it reads is act(gate, up) of two inputs (Exl3Linear.stages)."""
     spec = {layout.SPEC_LINEAR_K: bits, layout.SPEC_LINEAR_CB: layout.CODEBOOKS[codebook],
             layout.SPEC_LINEAR_HAS_BIAS: has_bias}
     if plan.coop:
@@ -50,6 +51,7 @@ def gemm_kernel(device, plan, bits, codebook, has_bias):
         return kernels.pipeline(device, kernels.coop_linear_name(device, plan.rows), kernels.LinearPush, spec)
     spec[layout.SPEC_LINEAR_ROWS] = plan.rows
     spec[layout.SPEC_LINEAR_DIRECT] = plan.direct
+    spec[layout.SPEC_LINEAR_ACT_IN] = act_in
     return kernels.pipeline(device, "exl3_linear", kernels.LinearPush, spec, decode=True)
 
 
@@ -164,23 +166,42 @@ class Exl3Linear:
                     for b in self._scratch.pop(key):
                         b.close()
 
-    def stages(self, x_buf: "Buffer", y_buf: "Buffer", m: int, workgroups: Optional[int] = None):
+    def stages(self, x_buf: "Buffer", y_buf: "Buffer", m: int, workgroups: Optional[int] = None,
+               activated=None):
         """record()'s dispatches as separate steps, for a caller that records other independent work between
         them: [input Hadamard (reads x_buf), GEMM (writes y_buf)], each a function(cmd) -> descriptor set that
         records one dispatch and no barrier; the caller puts a barrier after each. The first is None in direct mode
         (one row: the GEMM reads x_buf and builds its input Hadamard itself, ops.plan.gemm_plan). workgroups: what
         the GEMM's k-splits aim for (default: the device's, ops.plan.default_target_workgroups), for a caller
-        whose other dispatches share the device with it. Pins m like record()."""
+        whose other dispatches share the device with it. activated: None, or (up_buf, activation, act_limit) of a
+        device block's shared down in direct mode (direct()): the row is fp16(act(x_buf, up_buf)) with x_buf the
+        gate (both (1, k) fp16), the block's activation pass done while the row is built. Pins m like record()."""
         if workgroups is not None and (not isinstance(workgroups, int) or workgroups < 1):
             raise ValueError(f"workgroups: expected a positive integer or None, got {workgroups!r}")
         check_rows(m, minimum=1)
         with self._call_lock:
             self._pinned.add(m)
-            return self._stages(x_buf, y_buf, m, workgroups)
+            return self._stages(x_buf, y_buf, m, workgroups, activated)
 
-    def _stages(self, x_buf, y_buf, m, workgroups=None):
-        check_buffers(self.device, {"x_buf": (x_buf, m * self.k * 2), "y_buf": (y_buf, m * self.n * 2)})
+    def direct(self, m: int, workgroups: Optional[int] = None) -> bool:
+        """Whether stages() of m rows (and workgroups) runs in direct mode: one dispatch, no input Hadamard pass."""
+        return gemm_plan(self.device, check_rows(m, minimum=1), self.k, self.n, workgroups).direct
+
+    def _stages(self, x_buf, y_buf, m, workgroups=None, activated=None):
+        buffers = {"x_buf": (x_buf, m * self.k * 2), "y_buf": (y_buf, m * self.n * 2)}
+        act_in, act_limit, up_buf = -1, 0.0, None
+        if activated is not None:
+            up_buf, activation, act_limit = activated
+            if activation not in layout.ACTIVATIONS:
+                raise ValueError(f"activated: activation must be one of {sorted(layout.ACTIVATIONS)}, "
+                                 f"got {activation!r}")
+            act_in, act_limit = layout.ACTIVATIONS[activation], float(act_limit)
+            buffers["activated up_buf"] = (up_buf, m * self.k * 2)
+        check_buffers(self.device, buffers)
         plan, (xh, partial, counters) = self._scratch_for(m, workgroups)
+        if activated is not None and not plan.direct:
+            raise ValueError(f"activated: the activation is fused into direct mode only (one row, ops.plan."
+                             f"gemm_plan); this linear runs {m} row(s) of k = {self.k} with an input Hadamard pass")
         dev = self.device
 
         def had_in(cmd):
@@ -190,13 +211,15 @@ class Exl3Linear:
             return dset
 
         def gemm(cmd):
-            pipe = gemm_kernel(dev, plan, self.bits, self.codebook, self.has_bias)
-            # (the FMA build reads suh in direct mode, where binding 0 is x itself; the coop build has no binding 7)
-            suh = () if plan.coop else (self._suh,)
-            dset = pipe.bind(x_buf if plan.direct else xh, self._trellis, self._svh, self._bias, y_buf, partial,
-                             counters, *suh)
+            pipe = gemm_kernel(dev, plan, self.bits, self.codebook, self.has_bias, act_in)
+            # (the FMA build reads suh in direct mode, where binding 0 is x itself, and binding 8 with act_in: any
+            # buffer stands in otherwise; the coop build has neither binding)
+            a = x_buf if plan.direct else xh
+            fma_only = () if plan.coop else (self._suh, up_buf if up_buf is not None else a)
+            dset = pipe.bind(a, self._trellis, self._svh, self._bias, y_buf, partial, counters, *fma_only)
             cmd.dispatch(pipe, dset, layout.linear_grid(plan, self.n),
-                         pipe.push(m=m, k=self.k, n=self.n, splits=plan.splits, kt_per_split=plan.kt_per_split))
+                         pipe.push(m=m, k=self.k, n=self.n, splits=plan.splits, kt_per_split=plan.kt_per_split,
+                                   act_limit=act_limit, opaque_zero=0))
             return dset
 
         return [None if plan.direct else had_in, gemm]

@@ -48,7 +48,7 @@ class MoePush(PushConstants):
     fields = [("m", "<u4"), ("top_k", "<u4"), ("E", "<u4"), ("H", "<u4"), ("I", "<u4"), ("max_chunks", "<u4"),
               ("splits_gu", "<u4"), ("kt_gu", "<u4"), ("splits_d", "<u4"), ("kt_d", "<u4"),
               ("act_limit", "<f4"), ("num_workgroups", "<u4"), ("spin_limit", "<u4"), ("loop_budget", "<u4"),
-              ("mode", "<u4")]
+              ("mode", "<u4"), ("shared_add", "<u4")]
 
 
 
@@ -533,21 +533,40 @@ class Exl3MoeMlp:
                       splits_gu=plan.splits_gu, kt_gu=plan.kt_gu, splits_d=plan.splits_d, kt_d=plan.kt_d,
                       act_limit=self.act_limit, num_workgroups=pplan.workgroups if pplan else 0,
                       spin_limit=pplan.spin_limit if pplan else 0, loop_budget=pplan.loop_budget if pplan else 0,
-                      mode=layout.MOE_MODE_RUN)
+                      mode=layout.MOE_MODE_RUN, shared_add=layout.SHARED_ADD_NONE)
         values.update(override)
         return MoePush(**values)
 
-    def _bindings(self, scratch, hidden_buf, ids_buf, weights_buf, out_buf):
+    def _bindings(self, scratch, hidden_buf, ids_buf, weights_buf, out_buf, shared=None):
+        """The descriptor set's buffers (moe_bindings.glsl); shared: None or a block's (shared output, gate logits
+        or None) for the token sums to add (_shared_add); absent ones bound to hidden_buf, which nobody reads there."""
         g, u, d = self._gate, self._up, self._down
+        s_out, s_gate = shared if shared is not None else (hidden_buf, None)
         return (hidden_buf, ids_buf, weights_buf, out_buf, *g.buffers, *u.buffers, *d.buffers, scratch.route,
-                scratch.states, scratch.inter, scratch.partial, scratch.rows, scratch.sync)
+                scratch.states, scratch.inter, scratch.partial, scratch.rows, scratch.sync, s_out,
+                s_gate if s_gate is not None else hidden_buf)
 
-    def _split_stages(self, scratch, buffers):
+    def _check_shared(self, shared, m):
+        """A record()'s `shared`: None or (out16, gate) with out16 a (m, H) fp16 buffer and gate None or an (m,)
+        fp32 buffer of gate logits; returns its SHARED_ADD_* code."""
+        if shared is None:
+            return layout.SHARED_ADD_NONE
+        if not isinstance(shared, tuple) or len(shared) != 2:
+            raise TypeError(f"shared: expected None or (shared output buffer, gate logits buffer or None), got "
+                            f"{shared!r}")
+        s_out, s_gate = shared
+        sizes = {"shared[0] (the shared output)": (s_out, m * self.H * 2)}
+        if s_gate is not None:
+            sizes["shared[1] (the gate logits)"] = (s_gate, m * 4)
+        check_buffers(self.device, sizes)
+        return layout.SHARED_ADD_PLAIN if s_gate is None else layout.SHARED_ADD_GATED
+
+    def _split_stages(self, scratch, buffers, shared_add=layout.SHARED_ADD_NONE):
         """The split dispatches, each a function(cmd) -> descriptor set recording one dispatch (no barrier); a
         barrier must follow each. Routing (workgroup 0) and stage 1 (the rest) share the first; direct mode
         (plan.direct) has no routing pass, only the gate/up and down dispatches."""
         plan = scratch.plan
-        push = self._push(plan)
+        push = self._push(plan, shared_add=shared_add)
 
         def stage(pipe, grid):
             def run(cmd):
@@ -559,11 +578,11 @@ class Exl3MoeMlp:
         return [stage(pipe, grid) for _, pipe, grid in
                 split_kernels(self.device, plan, self._spec(plan), self.H, self.I, self.gated)]
 
-    def _record_split(self, cmd, scratch, buffers, beside_first=None):
+    def _record_split(self, cmd, scratch, buffers, beside_first=None, shared_add=layout.SHARED_ADD_NONE):
         """The split dispatches, a barrier after each; beside_first(cmd): commands recorded beside the first
         dispatch (before its barrier)."""
         sets = []
-        for i, stage in enumerate(self._split_stages(scratch, buffers)):
+        for i, stage in enumerate(self._split_stages(scratch, buffers, shared_add)):
             sets.append(stage(cmd))
             if i == 0 and beside_first is not None:
                 beside_first(cmd)
@@ -588,7 +607,7 @@ class Exl3MoeMlp:
 
         def record(rec, words, launched, loop_budget):
             bufs = list(self._bindings(scratch, hb, ib, wb, ob))
-            bufs[-1] = words  # the sync binding holds the discovery's words
+            bufs[layout.MOE_SYNC_BINDING] = words  # the sync binding holds the discovery's words
             dset = pipe.bind(*bufs)
             rec.dispatch(pipe, dset, launched, self._push(plan, num_workgroups=launched, loop_budget=loop_budget,
                                                           mode=layout.MOE_MODE_DISCOVER))
@@ -596,11 +615,11 @@ class Exl3MoeMlp:
 
         return occupancy.measure(self.device, key, record)
 
-    def _record_persistent(self, cmd, scratch, buffers, pplan):
+    def _record_persistent(self, cmd, scratch, buffers, pplan, shared_add=layout.SHARED_ADD_NONE):
         plan, dev = scratch.plan, self.device
         pipe = self._persistent_pipeline(plan)
         dset = pipe.bind(*buffers)
-        cmd.dispatch(pipe, dset, pplan.workgroups, self._push(plan, pplan))
+        cmd.dispatch(pipe, dset, pplan.workgroups, self._push(plan, pplan, shared_add=shared_add))
         cmd.barrier()
         scratch.last_grid = pplan.workgroups
         return [dset]
@@ -625,10 +644,13 @@ class Exl3MoeMlp:
         return Timeline(words)
 
     def record(self, cmd: CommandRecorder, hidden_buf: "Buffer", ids_buf: "Buffer",
-               weights_buf: "Buffer", out_buf: "Buffer", m: int, top_k: int, mode: str = "split"):
+               weights_buf: "Buffer", out_buf: "Buffer", m: int, top_k: int, mode: str = "split", shared=None):
         """Append the forward of m tokens to a recording CommandRecorder. hidden_buf: (m, H) fp16; ids_buf:
         (m, top_k) int32 (ids outside [0, E) are skipped); weights_buf: (m, top_k) float32; out_buf receives
-        (m, H) float32. Ends with a barrier. Returns the GEMM plan.
+        (m, H) float32. Ends with a barrier. Returns the GEMM plan. shared: None, or (out16, gate) of a device
+        block whose shared expert ran before (vkmoe.ops.block): out16 (m, H) fp16, gate None or (m,) fp32 gate
+        logits; out then receives the routed sum + out16 (· sigmoid(gate)), the block's sum pass done by the
+        token sums.
 
         mode "split" (default) is always safe. mode "persistent" records the single dispatch as the launch plan
         allows it; a recorded launch cannot re-run itself, so check `aborted(m, top_k)` after the submission
@@ -639,13 +661,14 @@ class Exl3MoeMlp:
         self._check_record(hidden_buf, ids_buf, weights_buf, out_buf, m, top_k)
         if mode not in ("split", "persistent"):
             raise ValueError(f"mode must be 'split' or 'persistent', got {mode!r}")
+        shared_add = self._check_shared(shared, m)
         with self._call_lock:
             self._pinned.add((m, top_k))  # the caller's command buffer uses this scratch: never evicted
             scratch = self._scratch_for(m, top_k)
-        buffers = self._bindings(scratch, hidden_buf, ids_buf, weights_buf, out_buf)
+        buffers = self._bindings(scratch, hidden_buf, ids_buf, weights_buf, out_buf, shared)
         if mode == "split":
             with all_or_nothing(cmd, "Exl3MoeMlp.record()"):
-                self._record_split(cmd, scratch, buffers)
+                self._record_split(cmd, scratch, buffers, shared_add=shared_add)
         elif mode == "persistent":
             if scratch.plan.coop:
                 raise ValueError(f"mode='persistent' is not possible here: {coop_split_reason(scratch.plan)}")
@@ -654,7 +677,7 @@ class Exl3MoeMlp:
             if not pplan.allowed:
                 raise ValueError(f"mode='persistent' is not possible here: {pplan.reason}")
             with all_or_nothing(cmd, "Exl3MoeMlp.record()"):
-                self._record_persistent(cmd, scratch, buffers, pplan)
+                self._record_persistent(cmd, scratch, buffers, pplan, shared_add)
         return scratch.plan
 
     def _check_record(self, hidden_buf, ids_buf, weights_buf, out_buf, m, top_k):
@@ -664,16 +687,26 @@ class Exl3MoeMlp:
                                     "weights_buf": (weights_buf, m * top_k * 4), "out_buf": (out_buf, m * self.H * 4)})
 
     def split_stages(self, hidden_buf: "Buffer", ids_buf: "Buffer", weights_buf: "Buffer", out_buf: "Buffer",
-                     m: int, top_k: int):
+                     m: int, top_k: int, shared=None):
         """record(mode="split")'s dispatches (three, or two in direct mode) as separate steps, for a caller that
         records independent work beside them (vkmoe.ops.block): functions(cmd) -> descriptor set, each recording
-        one dispatch and no barrier; the caller puts a barrier after each. Arguments and pinning as record(); m >= 1."""
+        one dispatch and no barrier; the caller puts a barrier after each. Arguments and pinning as record(); m >= 1.
+        With `shared`, the shared output must be written before the first dispatch where the routing pass zeroes
+        the rows of tokens with no valid slot (three dispatches), else before the last."""
         check_rows(m, minimum=1)
         self._check_record(hidden_buf, ids_buf, weights_buf, out_buf, m, top_k)
+        shared_add = self._check_shared(shared, m)
         with self._call_lock:
             self._pinned.add((m, top_k))
             scratch = self._scratch_for(m, top_k)
-        return self._split_stages(scratch, self._bindings(scratch, hidden_buf, ids_buf, weights_buf, out_buf))
+        return self._split_stages(scratch, self._bindings(scratch, hidden_buf, ids_buf, weights_buf, out_buf, shared),
+                                  shared_add)
+
+    def split_direct(self, m: int, top_k: int) -> bool:
+        """Whether split_stages for m tokens is direct mode (two dispatches, no routing pass: the rows of tokens
+        with no valid slot are zeroed by the down dispatch)."""
+        with self._call_lock:
+            return self._scratch_for(check_rows(m, minimum=1), top_k).plan.direct
 
     def decided_mode(self, m: int, top_k: int, dispatch=None) -> str:
         """"split" or "persistent": the mode vkmoe.sched picks now for a call of m tokens (for callers that record
