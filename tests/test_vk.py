@@ -166,6 +166,16 @@ def test_typed_push_and_spec_errors(dev):
         Pipeline(dev, SAXPY, push=WrongSize)
 
 
+def test_more_storage_buffers_than_the_device_allows(dev):
+    """A descriptor layout past maxPerStageDescriptorStorageBuffers (Vulkan guarantees 4; the MoE shaders bind
+    21) is refused by name before any Vulkan object is made, and the device stays usable."""
+    limit = dev.limits.maxPerStageDescriptorStorageBuffers
+    assert dev.info()["limits"]["max_storage_buffers_per_stage"] == limit >= 4
+    with pytest.raises(vkmoe.VkmoeError, match=f"allows {limit} per shader stage"):
+        Pipeline(dev, SAXPY, push=SaxpyPush, spec={0: 1.0}, binding_count=limit + 1)
+    Pipeline(dev, SAXPY, push=SaxpyPush, spec={0: 1.0}).close()
+
+
 @pytest.mark.parametrize("rows_valid", [4, 3])
 def test_wg_barrier_orders_buffer_stores(dev, rows_valid):
     """WG_BARRIER_DEVICE (common.glsl) orders every invocation's buffer stores before the workgroup's reads after

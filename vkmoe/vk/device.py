@@ -611,6 +611,7 @@ class Device:
                 "max_workgroup_count": list(L.maxComputeWorkGroupCount),
                 "max_storage_buffer_range": L.maxStorageBufferRange,
                 "max_push_constants_size": L.maxPushConstantsSize,
+                "max_storage_buffers_per_stage": L.maxPerStageDescriptorStorageBuffers,
                 "timestamp_period_ns": L.timestampPeriod,
             },
             "features": dict(self.features),

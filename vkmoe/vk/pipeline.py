@@ -102,6 +102,12 @@ class Pipeline:
             binding_count = len(declared_bindings)
         elif declared_bindings and max(declared_bindings) >= binding_count:
             raise VkmoeError(f"{shader} uses binding {max(declared_bindings)}, beyond binding_count={binding_count}")
+        # Vulkan guarantees only 4 storage buffers per stage (the MoE shaders bind 21): a device with fewer gets a
+        # clear error here rather than a failed descriptor set layout.
+        limit = getattr(getattr(device, "limits", None), "maxPerStageDescriptorStorageBuffers", None)
+        if isinstance(limit, int) and binding_count > limit:
+            raise VkmoeError(f"{shader} binds {binding_count} storage buffers; this device allows "
+                             f"{limit} per shader stage (maxPerStageDescriptorStorageBuffers)")
         self.binding_count = binding_count
         self.spec = dict(spec or {})
         self._allow_unused_spec = allow_unused_spec
