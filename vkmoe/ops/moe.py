@@ -539,7 +539,7 @@ class Exl3MoeMlp:
 
     def _bindings(self, scratch, hidden_buf, ids_buf, weights_buf, out_buf, shared=None):
         """The descriptor set's buffers (moe_bindings.glsl); shared: None or a block's (shared output, gate logits
-        or None) for the token sums to add (_check_shared); absent ones bound to hidden_buf, which nobody reads there."""
+        or None) for the token sums to add (_check_shared); absent ones bound to hidden_buf, which is not read there."""
         g, u, d = self._gate, self._up, self._down
         s_out, s_gate = shared if shared is not None else (hidden_buf, None)
         return (hidden_buf, ids_buf, weights_buf, out_buf, *g.buffers, *u.buffers, *d.buffers, scratch.route,
