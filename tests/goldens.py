@@ -120,6 +120,16 @@ def poison_scratch(moe) -> None:
             _poison(buf)
 
 
+def run_golden_call(moe, call, mode):
+    """moe's output for a golden call (load_layer) in dispatch `mode`, checking that mode ran. A persistent run
+    poisons the scratch first: after a split run of the same inputs it would hold the right values already."""
+    if mode == "persistent":
+        poison_scratch(moe)
+    out = moe(call["x"], call["selected"], call["weights"], dispatch=mode)
+    assert moe.last_run["mode"] == mode, moe.last_run
+    return out
+
+
 def poison_block_scratch(block) -> None:
     """Poison (all-ones bits: NaN, or id -1) every device buffer a SparseMoeBlock's device block writes before it
     reads: the block's own scratch per batch size (router logits, ids, weights, the shared expert's

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import vkmoe
-from goldens import golden_files, load_layer, other_routing, poison_scratch, rel_rms, reference_targets
+from goldens import golden_files, load_layer, other_routing, reference_targets, rel_rms, run_golden_call
 from vkmoe import layout
 from vkmoe.ops import plan as ops_plan
 
@@ -37,10 +37,7 @@ def _first_call(monkeypatch, moe, direct, *args):
 
 
 def _run(moe, call, mode, direct):
-    if mode == "persistent":  # after split on the same inputs the scratch would hold the right values already
-        poison_scratch(moe)
-    out = moe(call["x"], call["selected"], call["weights"], dispatch=mode)
-    assert moe.last_run["mode"] == mode, moe.last_run
+    out = run_golden_call(moe, call, mode)
     assert moe.last_run["plan"]["direct"] is (direct == "on"), moe.last_run["plan"]
     return out
 

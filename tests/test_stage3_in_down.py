@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import vkmoe
-from goldens import golden_files, load_layer, other_routing, poison_scratch, rel_rms, reference_targets
+from goldens import golden_files, load_layer, other_routing, reference_targets, rel_rms, run_golden_call
 from vkmoe import layout
 from vkmoe.ops import plan as ops_plan
 
@@ -41,14 +41,6 @@ def _plan_shape(monkeypatch, moe, stage3, direct, x, ids, w):
     assert moe.last_run["plan"]["direct"] is (direct == "on"), moe.last_run["plan"]
 
 
-def _run(moe, call, mode):
-    if mode == "persistent":  # after split on the same inputs the scratch would hold the right values already
-        poison_scratch(moe)
-    out = moe(call["x"], call["selected"], call["weights"], dispatch=mode)
-    assert moe.last_run["mode"] == mode, moe.last_run
-    return out
-
-
 @pytest.mark.parametrize("direct", ["on", "off"])
 @pytest.mark.parametrize("path", golden_files(), ids=lambda p: os.path.basename(p)[:-4])
 def test_stage3_in_the_down_items_gives_the_band_tails_bits(device, monkeypatch, path, direct):
@@ -59,14 +51,14 @@ def test_stage3_in_the_down_items_gives_the_band_tails_bits(device, monkeypatch,
             other = other_routing(call, tails.E, 11)  # poison: a first call on it fills every buffer
             for moe, stage3 in ((tails, "gate_up"), (in_down, "down")):
                 _plan_shape(monkeypatch, moe, stage3, direct, -call["x"], other, call["weights"])
-            want = _run(tails, call, "split")
+            want = run_golden_call(tails, call, "split")
             assert rel_rms(want, reference_targets(L, call)[0][1]) < 3e-3
             modes = ("split", "persistent") if os.path.basename(path) in PERSISTENT else ("split",)
             for mode in modes:
-                got = _run(in_down, call, mode)
+                got = run_golden_call(in_down, call, mode)
                 assert np.array_equal(_bits(got), _bits(want)), f"{mode}{call['suffix']}"
             if os.path.basename(path) in PERSISTENT:  # the gate/up tails' persistent launch too
-                assert np.array_equal(_bits(_run(tails, call, "persistent")), _bits(want)), call["suffix"]
+                assert np.array_equal(_bits(run_golden_call(tails, call, "persistent")), _bits(want)), call["suffix"]
     finally:
         tails.close()
         in_down.close()
@@ -81,9 +73,9 @@ def test_persistent_stage3_in_down_leaves_its_counters_reset(device, monkeypatch
     moe = _layer(device, L)
     try:
         _plan_shape(monkeypatch, moe, "down", "off", -call["x"], call["selected"], call["weights"])
-        want = _run(moe, call, "split")
+        want = run_golden_call(moe, call, "split")
         for i in range(100):
-            got = _run(moe, call, "persistent")
+            got = run_golden_call(moe, call, "persistent")
             assert np.array_equal(_bits(got), _bits(want)), i
         words = moe._scratch_for(*call["selected"].shape).sync.download(np.uint32)
         assert not words.any(), np.nonzero(words)[0][:24]
