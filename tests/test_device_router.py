@@ -173,13 +173,15 @@ def _group_rows(n_experts, n_group, seed):
     return np.stack(rows)
 
 
-@pytest.mark.parametrize("n_group", [64, 32, 16, 8, 4])
-def test_group_scores_at_every_group_width(device, n_group):
-    """dots over 256 experts in groups of 4 .. 64: the width that equals the device's subgroup size takes the
-    subgroup form of the group scores (router_select.glsl), the others the loop; both give the float64 router's
-    experts and weights, exact group ties included."""
-    n_experts, k = 256, 8
-    w, x = _exact_rows(_group_rows(n_experts, n_group, seed=n_group))
+@pytest.mark.parametrize("n_experts,n_group", [(256, 64), (256, 32), (256, 16), (256, 8), (256, 4), (72, 9),
+                                               (512, 64), (512, 16)])
+def test_group_scores_at_every_group_width(device, n_experts, n_group):
+    """dots over 256 experts in groups of 4 .. 64 (and 72 in groups of 8, a partial chunk of 256; 512 in groups of
+    8 and 32, two chunks): the width that equals the device's subgroup size takes the subgroup form of the group
+    scores (router_select.glsl), the others the loop; both give the float64 router's experts and weights, exact
+    group ties included."""
+    k = 8
+    w, x = _exact_rows(_group_rows(n_experts, n_group, seed=n_group + n_experts))
     for topk_group in (1, max(1, n_group // 4), n_group // 2):
         ids, wts = _route_k(device, "dots", w, x, k, n_group=n_group, topk_group=topk_group, norm=True,
                             routed_scaling_factor=2.0)
