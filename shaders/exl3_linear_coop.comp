@@ -29,7 +29,10 @@ layout(std430, binding = 3) readonly buffer Bias { uint bias[]; };   // (n,) fp1
 layout(std430, binding = 4) writeonly buffer Y { uint y[]; };        // (m, n) fp16
 layout(std430, binding = 5) nonprivate buffer Partial { float partial[]; };   // (splits, m_pad, n) fp32
 layout(std430, binding = 6) nonprivate buffer Counters { uint counters[]; };  // one per (row tile, band)
-layout(push_constant) uniform Push { uint m; uint k; uint n; uint splits; uint kt_per_split; float act_limit; uint opaque_zero; } pc;  // (the last two: the FMA build's direct mode)
+layout(push_constant) uniform Push {
+    uint m; uint k; uint n; uint splits; uint kt_per_split;
+    float act_limit; uint opaque_zero;  // (read by the FMA build's direct mode only: one push type for both)
+} pc;
 
 uint gemm_b_word(int src, uint index) { return trellis[index]; }
 uvec4 gemm_b_word4(int src, uint index) { return trellis4[index]; }

@@ -213,6 +213,20 @@ def _has(phase, shader):  # (a shader's name carries its build: moe_down_f16, ex
     return any(n.startswith(shader) for n in phase)
 
 
+def _fused_and_unfused(device, block, x, mode="split", tokens=None):
+    """_recorded_phases of block for one token with its fused shared sum, then with the sum pass (the block's
+    fusion turned off for that recording), each on poisoned scratch: ((phases, out), (phases, out))."""
+    db = block.device_block
+    poison_block_scratch(block)
+    fused = _recorded_phases(device, block, x, 1, mode, tokens)
+    db._fuse_shared_sum = False
+    try:
+        poison_block_scratch(block)
+        return fused, _recorded_phases(device, block, x, 1, mode, tokens)
+    finally:
+        db._fuse_shared_sum = True
+
+
 # Blocks with a shared expert and none of what keeps the sum pass (RMSNorms, latent projections): a plain shared
 # expert, a sigmoid-gated one, relu2 (no gate projection), act limits (deepseek_v4's second layer: not hashed).
 FUSED = [("deepseek_v3", 0), ("qwen3_next", 0), ("nemotron_h", 0), ("deepseek_v4", 1), ("step3p5", 0)]
@@ -233,14 +247,7 @@ def test_fused_shared_sum_gives_the_unfused_bits(device, blocks, name, layer, mo
     assert db._fuses_shared_sum(1, mode)  # (else this test could not fail)
     x = _hidden(1, seed=60 + layer)
     for attempt in range(3):  # (a persistent launch that aborted under load is recorded again)
-        poison_block_scratch(block)
-        phases, fused = _recorded_phases(device, block, x, 1, mode)
-        db._fuse_shared_sum = False
-        try:
-            poison_block_scratch(block)
-            plain_phases, unfused = _recorded_phases(device, block, x, 1, mode)
-        finally:
-            db._fuse_shared_sum = True
+        (phases, fused), (plain_phases, unfused) = _fused_and_unfused(device, block, x, mode)
         if fused is not None and unfused is not None:
             break
     else:
@@ -262,14 +269,7 @@ def test_fused_shared_sum_of_a_token_with_no_routed_expert(device, blocks):
     db = block.device_block
     assert block.router == "sqrtsp_hash" and db._fuses_shared_sum(1, "split")
     x, tokens = _hidden(1, seed=70), np.array([block.config.vocab_size + 5], np.int32)
-    poison_block_scratch(block)
-    _, fused = _recorded_phases(device, block, x, 1, tokens=tokens)
-    db._fuse_shared_sum = False
-    try:
-        poison_block_scratch(block)
-        _, unfused = _recorded_phases(device, block, x, 1, tokens=tokens)
-    finally:
-        db._fuse_shared_sum = True
+    (_, fused), (_, unfused) = _fused_and_unfused(device, block, x, tokens=tokens)
     assert np.array_equal(fused, unfused) and np.all(np.isfinite(fused)) and np.any(fused != 0)
     assert np.array_equal(db.router(x, tokens)[0], [[-1] * block.config.top_k])  # (else this test could not fail)
 

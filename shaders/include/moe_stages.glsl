@@ -645,7 +645,6 @@ uint partial_down() {
 void moe_stage5(uint e, uint p0, uint q0, uint nr, uint band);
 void moe_stage5_token(uint t, uint band);
 
-
 void moe_down(uint item) {
     uint s = item % pc.splits_d;
     uint rest = item / pc.splits_d;
