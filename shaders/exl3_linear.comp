@@ -36,7 +36,6 @@ layout(std430, binding = 8) readonly buffer UpIn { uint up_in[]; };  // (1, k) f
 layout(push_constant) uniform Push {
     uint m; uint k; uint n; uint splits; uint kt_per_split;
     float act_limit;    // ACT_IN: the activation's limit (0: none)
-    uint opaque_zero;   // always 0: see linear_x_word
 } pc;
 
 uint gemm_b_word(int src, uint index) { return trellis[index]; }
@@ -47,12 +46,12 @@ uint linear_kt0 = 0u, linear_kt1 = 0u;
 void linear_direct_a_row(uint kt0, uint kt1);
 #define GEMM_AFTER_PREFETCH(a_src) if (DIRECT) linear_direct_a_row(linear_kt0, linear_kt1)
 #include "block_math.glsl"
-// The activated pair is xor-ed with pc.opaque_zero (0 at run time) before the Hadamard unpacks it: measured on an
-// H100 (BENCHMARKS.md, twenty-ninth session), the driver otherwise folds the fp16 pack and unpack together, and the
-// row takes the unrounded fp32 activation: other bits than the block's activation pass writes.
+// The activated pair is xor-ed with opaque_zero() (common.glsl) before the Hadamard unpacks it: measured on an H100
+// (BENCHMARKS.md, twenty-ninth session), the driver otherwise folds the fp16 pack and unpack together, and the row
+// takes the unrounded fp32 activation: other bits than the block's activation pass writes.
 uint linear_x_word(uint i) {
     if (ACT_IN < 0) return xh[i];
-    return block_activate_pair(xh[i], up_in[i], uint(ACT_IN), pc.act_limit) ^ pc.opaque_zero;
+    return block_activate_pair(xh[i], up_in[i], uint(ACT_IN), pc.act_limit) ^ opaque_zero();
 }
 #define HAD_IN_X(i) linear_x_word(i)
 #define HAD_IN_SUH(i) suh[i]

@@ -31,7 +31,7 @@ layout(std430, binding = 5) nonprivate buffer Partial { float partial[]; };   //
 layout(std430, binding = 6) nonprivate buffer Counters { uint counters[]; };  // one per (row tile, band)
 layout(push_constant) uniform Push {
     uint m; uint k; uint n; uint splits; uint kt_per_split;
-    float act_limit; uint opaque_zero;  // (read by the FMA build's direct mode only: one push type for both)
+    float act_limit;  // (read by the FMA build's direct mode only: one push type for both)
 } pc;
 
 uint gemm_b_word(int src, uint index) { return trellis[index]; }

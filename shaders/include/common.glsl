@@ -40,6 +40,19 @@ float f16_at(uint word, uint index) { vec2 v = unpackHalf2x16(word); return (ind
 #define WG_BARRIER_PUBLISH() controlBarrier(gl_ScopeWorkgroup, gl_ScopeWorkgroup, \
     gl_StorageSemanticsBuffer | gl_StorageSemanticsShared, \
     gl_SemanticsAcquireRelease | gl_SemanticsMakeAvailable | gl_SemanticsMakeVisible)
+// 0, from a value no compiler knows at build time (no dispatch has 2^31 workgroups in x). An fp16 value packed to a
+// word and unpacked again in the same invocation is xor-ed with it in between: otherwise a compiler may fold the
+// pack and the unpack together and keep the unrounded fp32 value, and did: the NVIDIA driver on an H100 and Mesa
+// 25's lavapipe dropped every rounding of rn16 below (908 of 4096 values of tests/test_rounding.py one fp16 step
+// off; BENCHMARKS.md, thirtieth session), and the NVIDIA driver an activation packed for the Hadamard's unpack
+// (twenty-ninth session).
+uint opaque_zero() { return gl_NumWorkGroups.x >> 31u; }
+
+// Round to fp16 and back (round to nearest even, the spec's RN16): one value, or two at once (one conversion
+// instruction for the pair where the device has it, e.g. NVIDIA's packed F2F).
+vec2 rn16_pair(vec2 v) { return unpackHalf2x16(packHalf2x16(v) ^ opaque_zero()); }
+float rn16(float v) { return rn16_pair(vec2(v, 0.0)).x; }
+
 // min / max / clamp that keep a NaN first operand, as numpy's np.minimum / np.maximum / np.clip do (the float64
 // reference's act_limit and relu2): GLSL leaves NaN operands of min / max / clamp undefined, and lavapipe returned
 // the other operand, so a NaN hidden value gave a finite output under an act_limit. Numbers get min / max / clamp.

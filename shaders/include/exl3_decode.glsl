@@ -26,9 +26,6 @@ uint byte_sum(uint x) {
 }
 #endif
 
-// Round two fp32 values to fp16 and back (one rounding each, round-to-nearest-even).
-vec2 round_f16(vec2 v) { return unpackHalf2x16(packHalf2x16(v)); }
-
 // Codebook value of a 16-bit state, before the final fp16 rounding (exact in fp32 for every codebook):
 //  mul1: (1024 + B) * c1 + c0 with c1 = fp16 0x1EEE, c0 = fp16 0xC931. Each step is exact in fp32 (products
 //        are multiples of 2^-18 below 2^4), so one rounding to fp16 afterwards equals the CUDA fused fp16 fma,
@@ -88,7 +85,7 @@ void decode_lane(const int K, const int cb, uint words[8], uint prev, out float 
     [[unroll]] for (int j = 0; j < 32; j += 2) {
         float a = codebook_unrounded(st[j], cb);
         float b = codebook_unrounded(st[j + 1], cb);
-        vec2 r = round_f16(vec2(a, b));
+        vec2 r = rn16_pair(vec2(a, b));  // (common.glsl)
         vals[j] = r.x;
         vals[j + 1] = r.y;
     }

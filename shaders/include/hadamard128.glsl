@@ -98,8 +98,14 @@ void had_transform() {
     }
 }
 
-// fp16 rounding helpers for the Hadamard variants (spec section 5).
-float rn16(float v) { return unpackHalf2x16(packHalf2x16(vec2(v, 0.0))).x; }
+// had_v = RN16(had_v) (a GEMM's fp32 sums as its fp16 output), a pair at a time (common.glsl's rn16_pair).
+void had_round_pairs() {
+    [[unroll]] for (uint j = 0u; j < HAD_VALS; j += 2u) {
+        vec2 p = rn16_pair(vec2(had_v[j], had_v[j + 1u]));
+        had_v[j] = p.x;
+        had_v[j + 1u] = p.y;
+    }
+}
 
 #ifdef HAD_IN_X
 // The input Hadamard's first step (had_in, spec section 5): had_v = RN16(x * suh) for this invocation's columns,
@@ -107,9 +113,9 @@ float rn16(float v) { return unpackHalf2x16(packHalf2x16(vec2(v, 0.0))).x; }
 // words (exl3_had_in.comp; exl3_linear.comp's direct mode, which builds its own input row).
 void had_in_load(uint w, uint sw) {
     [[unroll]] for (uint j = 0u; j < HAD_VALS; j += 2u) {
-        vec2 xs = unpackHalf2x16(HAD_IN_X(w + j / 2u)), s = unpackHalf2x16(HAD_IN_SUH(sw + j / 2u));
-        had_v[j] = rn16(xs.x * s.x);
-        had_v[j + 1u] = rn16(xs.y * s.y);
+        vec2 p = rn16_pair(unpackHalf2x16(HAD_IN_X(w + j / 2u)) * unpackHalf2x16(HAD_IN_SUH(sw + j / 2u)));
+        had_v[j] = p.x;
+        had_v[j + 1u] = p.y;
     }
 }
 #endif

@@ -372,9 +372,9 @@ void stage1_load(uint t, uint e, uint proj, uint h0) {
     uint xw = (t * pc.H + h0) >> 1, sw = (e * pc.H + h0) >> 1;  // h0 is even: whole fp16 pairs
     [[unroll]] for (uint j = 0u; j < HAD_VALS; j += 2u) {
         vec2 x = unpackHalf2x16(hidden[xw + j / 2u]);
-        vec2 s = unpackHalf2x16(proj == 0u ? gate_suh[sw + j / 2u] : up_suh[sw + j / 2u]);
-        had_v[j] = rn16(x.x * s.x);
-        had_v[j + 1u] = rn16(x.y * s.y);
+        vec2 p = rn16_pair(x * unpackHalf2x16(proj == 0u ? gate_suh[sw + j / 2u] : up_suh[sw + j / 2u]));
+        had_v[j] = p.x;
+        had_v[j + 1u] = p.y;
     }
 }
 
@@ -607,15 +607,25 @@ void moe_stage3(uint e, uint p0, uint q0, uint nr, uint b0, uint nb, bool to_red
         }
         [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) s3_gate[j] = 0.0;  // g of a gateless activation
         if (GATED) {
-            [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) had_v[j] = rn16(had_v[j]);  // the fp16 GEMM output Ig
+            had_round_pairs();  // the fp16 GEMM output Ig
             had_transform();
-            [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) s3_gate[j] = rn16(rn16(had_v[j] * HAD_SCALE) * gate_sv[j]);
+            [[unroll]] for (uint j = 0u; j < HAD_VALS; j += 2u) {
+                vec2 q = rn16_pair(vec2(had_v[j], had_v[j + 1u]) * HAD_SCALE);
+                vec2 g = rn16_pair(q * vec2(gate_sv[j], gate_sv[j + 1u]));
+                s3_gate[j] = g.x;
+                s3_gate[j + 1u] = g.y;
+            }
         }
-        [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) had_v[j] = rn16(up_sum[j]);  // Iu
+        [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) had_v[j] = up_sum[j];
+        had_round_pairs();  // Iu
         had_transform();
-        [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) {
-            float u = rn16(rn16(had_v[j] * HAD_SCALE) * up_sv[j]);
-            had_v[j] = rn16(activate(s3_gate[j], u) * down_su[j]);
+        [[unroll]] for (uint j = 0u; j < HAD_VALS; j += 2u) {
+            vec2 q = rn16_pair(vec2(had_v[j], had_v[j + 1u]) * HAD_SCALE);
+            vec2 u = rn16_pair(q * vec2(up_sv[j], up_sv[j + 1u]));
+            vec2 a = vec2(activate(s3_gate[j], u.x), activate(s3_gate[j + 1u], u.y));
+            vec2 x = rn16_pair(a * vec2(down_su[j], down_su[j + 1u]));
+            had_v[j] = x.x;
+            had_v[j + 1u] = x.y;
         }
         had_transform();
         uint iw = to_red ? unit * 64u + had_col0() / 2u : ((p0 + r) * pc.I + n0) >> 1;
@@ -768,7 +778,7 @@ void moe_stage5(uint e, uint p0, uint q0, uint nr, uint band) {
         float w = rn16(expert_weights[fidx]), sv[HAD_MAX_VALS];
         [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) sv[j] = f16_at(down_svh[(se + j) >> 1], se + j);
         split_sum_had(partial_down() + q * pc.H + h0, partial_rows() * pc.H, pc.splits_d);
-        [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) had_v[j] = rn16(had_v[j]);  // the fp16 down GEMM output
+        had_round_pairs();  // the fp16 down GEMM output
         had_transform();
         [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j)
             if (r < nr) rows_out[fidx * pc.H + h0 + j] = (had_v[j] * (HAD_SCALE * w)) * sv[j];

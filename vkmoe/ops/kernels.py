@@ -38,7 +38,7 @@ class HadInPush(PushConstants):
 
 class LinearPush(PushConstants):
     fields = [("m", "<u4"), ("k", "<u4"), ("n", "<u4"), ("splits", "<u4"), ("kt_per_split", "<u4"),
-              ("act_limit", "<f4"), ("opaque_zero", "<u4")]
+              ("act_limit", "<f4")]
 
 
 def uses_idot(device):

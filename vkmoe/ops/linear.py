@@ -219,7 +219,7 @@ class Exl3Linear:
             dset = pipe.bind(a, self._trellis, self._svh, self._bias, y_buf, partial, counters, *fma_only)
             cmd.dispatch(pipe, dset, layout.linear_grid(plan, self.n),
                          pipe.push(m=m, k=self.k, n=self.n, splits=plan.splits, kt_per_split=plan.kt_per_split,
-                                   act_limit=act_limit, opaque_zero=0))
+                                   act_limit=act_limit))
             return dset
 
         return [None if plan.direct else had_in, gemm]

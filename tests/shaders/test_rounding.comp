@@ -1,0 +1,23 @@
+#version 450
+// The shaders' fp16 rounding (common.glsl: rn16, rn16_pair, where a compiler may drop it) as the linear's tail
+// applies it, RN16(RN16(a * r) * s) (linear_tail.glsl), one value at a time and a pair at a time; fp16 out, for
+// tests/test_rounding.py to compare with numpy bit for bit.
+#include "common.glsl"
+#define WG_SIZE 256u
+layout(local_size_x = 256) in;
+#include "generated/moe_layout.glsl"
+#include "hadamard128.glsl"  // HAD_SCALE
+
+layout(std430, binding = 0) readonly buffer A { vec2 a[]; };     // fp32 pairs
+layout(std430, binding = 1) readonly buffer S { uint s[]; };     // fp16 pairs
+layout(std430, binding = 2) writeonly buffer One { uint one[]; };
+layout(std430, binding = 3) writeonly buffer Pair { uint pair[]; };
+layout(push_constant) uniform Push { uint pairs; } pc;
+
+void main() {
+    uint i = gl_GlobalInvocationID.x;
+    if (i >= pc.pairs) return;
+    vec2 v = a[i], sv = unpackHalf2x16(s[i]);
+    one[i] = packHalf2x16(vec2(rn16(rn16(v.x * HAD_SCALE) * sv.x), rn16(rn16(v.y * HAD_SCALE) * sv.y)));
+    pair[i] = packHalf2x16(rn16_pair(rn16_pair(v * HAD_SCALE) * sv));
+}
