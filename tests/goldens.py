@@ -80,6 +80,20 @@ def load_layer(path: str) -> SimpleNamespace:
     )
 
 
+def same_bits(a, b) -> bool:
+    """Whether two fp32 arrays hold the same bits (NaNs included): the bit-for-bit comparisons of two paths."""
+    bits = [np.ascontiguousarray(x).view(np.uint32) for x in (a, b)]
+    return np.array_equal(*bits)
+
+
+def golden_moe(device, layer: SimpleNamespace, **options):
+    """An Exl3MoeMlp of a golden layer with its activation and act_limit (options: further constructor arguments)."""
+    import vkmoe
+
+    return vkmoe.Exl3MoeMlp(device, layer.gate, layer.up, layer.down, activation=layer.activation,
+                            act_limit=layer.act_limit, **options)
+
+
 def rel_rms(a, b) -> float:
     """rms(a - b) / rms(b), in float64."""
     a = np.asarray(a, dtype=np.float64)

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import vkmoe
-from goldens import golden_files, load_layer, other_routing, reference_targets, rel_rms, run_golden_call
+from goldens import (golden_files, golden_moe, load_layer, other_routing, reference_targets, rel_rms, run_golden_call,
+                     same_bits)
 from vkmoe import layout
 from vkmoe.ops import plan as ops_plan
 
@@ -18,14 +19,6 @@ SPLITS = "2,2"  # both layers of a comparison must share their k-splits (the bit
 # each codebook, gateless relu2
 ROUTED_PERSISTENT = {"a_tiny_silu_k4.npz", "b_mixed_bits_g3u4d5.npz", "k_mcg_mixed_g5u3d6.npz", "d_relu2_gateless_k4.npz"}
 TINY_PATH = next(p for p in golden_files() if p.endswith("a_tiny_silu_k4.npz"))
-
-
-def _bits(a):
-    return np.ascontiguousarray(a).view(np.uint32)
-
-
-def _layer(device, L):
-    return vkmoe.Exl3MoeMlp(device, L.gate, L.up, L.down, activation=L.activation, act_limit=L.act_limit)
 
 
 def _first_call(monkeypatch, moe, direct, *args):
@@ -45,7 +38,7 @@ def _run(moe, call, mode, direct):
 @pytest.mark.parametrize("path", golden_files(), ids=lambda p: os.path.basename(p)[:-4])
 def test_direct_mode_gives_the_routed_bits(device, monkeypatch, path):
     L = load_layer(path)
-    routed, direct = _layer(device, L), _layer(device, L)
+    routed, direct = golden_moe(device, L), golden_moe(device, L)
     try:
         for call in L.calls:
             other = other_routing(call, routed.E, 7)  # poison: a first call on it fills every buffer
@@ -55,9 +48,9 @@ def test_direct_mode_gives_the_routed_bits(device, monkeypatch, path):
             # direct persistent == direct split is test_persistent.py's golden test (auto runs these calls direct);
             # here: direct split == routed split, and routed persistent too on a few layers (each is one more
             # compile of the largest shader, slow on lavapipe)
-            assert np.array_equal(_bits(_run(direct, call, "split", "on")), _bits(want)), f"direct{call['suffix']}"
+            assert same_bits(_run(direct, call, "split", "on"), want), f"direct{call['suffix']}"
             if os.path.basename(path) in ROUTED_PERSISTENT:
-                assert np.array_equal(_bits(_run(routed, call, "persistent", "off")), _bits(want)), call["suffix"]
+                assert same_bits(_run(routed, call, "persistent", "off"), want), call["suffix"]
             ref = reference_targets(L, call)[0][1]
             assert rel_rms(want, ref) < 3e-3
     finally:
@@ -88,7 +81,7 @@ def _record_run(device, moe, x, ids, w, mode):
 def test_direct_mode_skips_bad_ids_and_zeroes_tokens_without_a_valid_expert(device, monkeypatch):
     L = load_layer(golden_files()[0])
     call = L.calls[0]
-    routed, direct = _layer(device, L), _layer(device, L)
+    routed, direct = golden_moe(device, L), golden_moe(device, L)
     try:
         E = direct.E
         ids = call["selected"].astype(np.int64).copy()
@@ -104,7 +97,7 @@ def test_direct_mode_skips_bad_ids_and_zeroes_tokens_without_a_valid_expert(devi
         # counters they leave must still be back to 0 for the second launch (and after it)
         for mode in ("split", "persistent", "persistent"):
             got = _record_run(device, direct, x, ids, w, mode)
-            assert np.array_equal(_bits(got), _bits(want)), mode
+            assert same_bits(got, want), mode
         words = direct._scratch_for(*ids.shape).sync.download(np.uint32)
         assert not words.any(), np.nonzero(words)[0][:24]
     finally:
@@ -195,7 +188,7 @@ def test_direct_mode_with_one_down_split(device, monkeypatch, name):
     valid slot, a single-split arrival takes no counter round trip (wg_last_arrival) but the token's counter still
     does; the routed bits in both dispatch modes, and the counters back to 0 after each launch."""
     L = load_layer(os.path.join(os.path.dirname(golden_files()[0]), name))
-    routed, direct = _layer(device, L), _layer(device, L)
+    routed, direct = golden_moe(device, L), golden_moe(device, L)
     try:
         for call in L.calls:
             for moe, setting in ((routed, "off"), (direct, "on")):
@@ -206,7 +199,7 @@ def test_direct_mode_with_one_down_split(device, monkeypatch, name):
             want = _run(routed, call, "split", "off")
             assert rel_rms(want, reference_targets(L, call)[0][1]) < 3e-3
             for mode in ("split", "persistent", "persistent"):
-                assert np.array_equal(_bits(_run(direct, call, mode, "on")), _bits(want)), f"{mode}{call['suffix']}"
+                assert same_bits(_run(direct, call, mode, "on"), want), f"{mode}{call['suffix']}"
             words = direct._scratch_for(*call["selected"].shape).sync.download(np.uint32)
             assert not words.any(), np.nonzero(words)[0][:24]
     finally:
@@ -243,7 +236,7 @@ def test_forced_direct_splits_keep_whole_k_steps(device, monkeypatch):
     3 gate/up splits of the tiny layer's 16 k-tiles run as 2 of 8. Mesa 22.3's lavapipe left every persistent
     output NaN with 3 splits of 6 tiles; here the persistent bits must equal split's, which equal routed mode's."""
     L = load_layer(TINY_PATH)
-    direct, routed = _layer(device, L), _layer(device, L)
+    direct, routed = golden_moe(device, L), golden_moe(device, L)
     try:
         call = next(c for c in L.calls if c["suffix"] == "_m1")
         monkeypatch.setenv("VKMOE_MOE_SPLITS", "3,1")
@@ -252,7 +245,7 @@ def test_forced_direct_splits_keep_whole_k_steps(device, monkeypatch):
             moe(-call["x"], call["selected"], call["weights"], dispatch="split")
         assert (direct.last_run["plan"]["splits_gu"], direct.last_run["plan"]["kt_gu"]) == (2, 8), direct.last_run
         monkeypatch.setenv("VKMOE_MOE_SPLITS", "2,1")  # the routed layer planned 3 splits of 6: give it direct's
-        routed2 = _layer(device, L)
+        routed2 = golden_moe(device, L)
         try:
             monkeypatch.setenv("VKMOE_MOE_DIRECT", "off")
             want = _run(routed2, call, "split", "off")
@@ -261,7 +254,7 @@ def test_forced_direct_splits_keep_whole_k_steps(device, monkeypatch):
         assert rel_rms(want, reference_targets(L, call)[0][1]) < 3e-3
         for mode in ("split", "persistent"):
             got = _run(direct, call, mode, "on")
-            assert np.all(np.isfinite(got)) and np.array_equal(_bits(got), _bits(want)), mode
+            assert np.all(np.isfinite(got)) and same_bits(got, want), mode
     finally:
         direct.close()
         routed.close()

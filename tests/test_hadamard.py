@@ -7,16 +7,12 @@ import numpy as np
 import pytest
 
 import vkmoe
-from goldens import golden_files, load_layer
+from goldens import golden_files, load_layer, same_bits
 from vkmoe import layout
 from vkmoe.exl3 import Exl3Tensor
 from vkmoe.ops import kernels
 
 MS = (1, 5, 40, 70)
-
-
-def _bits(a):
-    return np.ascontiguousarray(a).view(np.uint32)
 
 
 @pytest.fixture(autouse=True)
@@ -93,7 +89,7 @@ def _moe_both(device, monkeypatch, L, calls, direct, mode):
 def _assert_same(outs):
     for a, b in zip(outs["shared"], outs["subgroup"]):
         assert np.isfinite(a).all()
-        assert np.array_equal(_bits(a), _bits(b))
+        assert same_bits(a, b)
 
 
 # One golden layer (mixed bit widths) runs persistent too, routed and direct: the persistent kernel runs the same

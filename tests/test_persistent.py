@@ -7,14 +7,13 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 import vkmoe
-from goldens import golden_files, load_layer, poison_scratch
+from goldens import golden_files, load_layer, poison_scratch, same_bits
 from vkmoe import layout
 from vkmoe.ops import kernels
 from vkmoe.sched import plan as sched_plan
@@ -41,10 +40,6 @@ def layers(device):
         moe.close()
 
 
-def _bits(a):
-    return np.ascontiguousarray(a).view(np.uint32)
-
-
 @pytest.mark.parametrize("path", golden_files(), ids=lambda p: os.path.basename(p)[:-4])
 def test_golden_persistent_bit_identical_to_split(layers, path):
     L, moe = layers(path)
@@ -60,7 +55,7 @@ def test_golden_persistent_bit_identical_to_split(layers, path):
         assert run["fallback_reason"] is None
         assert run["workgroups"] >= 1
         assert np.isfinite(persistent).all()
-        assert np.array_equal(_bits(split), _bits(persistent)), f"{os.path.basename(path)}{call['suffix']}"
+        assert same_bits(split, persistent), f"{os.path.basename(path)}{call['suffix']}"
         ref = call["ref_out_gelu_tanh"] if L.activation == "gelu" and call["ref_out_gelu_tanh"] is not None \
             else call["ref_out"]
         rel = np.sqrt(np.mean((persistent - ref) ** 2) / np.mean(ref ** 2))
@@ -91,7 +86,7 @@ def test_persistent_matches_split_with_new_inputs_every_call(device, monkeypatch
                 assert run["mode"] == "persistent" and run["plan"]["direct"] is direct, run
                 split = moe(x, ids, w, dispatch="split")
                 assert np.isfinite(persistent).all()
-                assert np.array_equal(_bits(persistent), _bits(split)), (m, i)
+                assert same_bits(persistent, split), (m, i)
             # the transform asked for ran
             spec = moe._persistent_pipeline(moe._scratch_for(m, 4).plan).spec
             assert spec[layout.SPEC_HAD_SUBGROUP] == kernels.hadamard_subgroup(device)
@@ -111,7 +106,7 @@ def test_scheduler_state_resets_itself_over_100_launches(device, monkeypatch, di
         for _ in range(100):
             out = moe(call["x"], call["selected"], call["weights"], dispatch="persistent")
             assert moe.last_run["mode"] == "persistent"
-        assert np.array_equal(_bits(out), _bits(expected))
+        assert same_bits(out, expected)
         assert moe.last_run["plan"]["direct"] is (direct == "on")
         words = sync.download(np.uint32)
         # abort flag, ticket counter, routing flag, stage-1 count, every arrival counter, every chunk's progress
@@ -136,7 +131,7 @@ def test_routed_launches_wait_without_running_out_of_spins(device, monkeypatch):
         for i in range(16):
             out = moe(call["x"], call["selected"], call["weights"], dispatch="persistent")
             assert moe.last_run["mode"] == "persistent", (i, moe.last_run["fallback_reason"])
-            assert np.array_equal(_bits(out), _bits(want)), i
+            assert same_bits(out, want), i
         spec = moe._persistent_pipeline(moe._scratch_for(*call["selected"].shape).plan).spec
         assert bool(spec.get(layout.SPEC_MOE_PACED_SPIN)) is bool(device.quirks.get("loop_iteration_cap"))
     finally:
@@ -199,7 +194,7 @@ def test_two_layers_from_two_threads(layers):
         try:
             for _ in range(10):
                 out = moe(call["x"], call["selected"], call["weights"], dispatch="persistent")
-                if not np.array_equal(_bits(out), _bits(expected)):
+                if not same_bits(out, expected):
                     errors.append("wrong result")
         except Exception as exc:  # collected and reported by the main thread
             errors.append(repr(exc))
@@ -259,7 +254,7 @@ def test_record_persistent_matches_split(device, layers):
             rec.end()
             rec.submit(wait=True)
         assert moe.aborted(m, top_k) == 0
-        assert np.array_equal(_bits(ob.download(np.float32, (m, moe.H))), _bits(expected))
+        assert same_bits(ob.download(np.float32, (m, moe.H)), expected)
         with pytest.raises(ValueError, match="mode"):
             moe.record(rec, hb, ib, wb, ob, m, top_k, mode="fast")
     finally:

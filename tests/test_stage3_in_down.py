@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import vkmoe
-from goldens import golden_files, load_layer, other_routing, reference_targets, rel_rms, run_golden_call
+from goldens import (golden_files, golden_moe, load_layer, other_routing, reference_targets, rel_rms, run_golden_call,
+                     same_bits)
 from vkmoe import layout
 from vkmoe.ops import plan as ops_plan
 
@@ -19,14 +20,6 @@ SPLITS = "2,2"  # both layers of a comparison share their k-splits (the bits dep
 # golden layers whose persistent launches are compared too (each is one more compile of the largest shader, slow
 # on lavapipe): gated and gateless, mixed bit widths, two codebooks
 PERSISTENT = {"a_tiny_silu_k4.npz", "d_relu2_gateless_k4.npz", "k_mcg_mixed_g5u3d6.npz"}
-
-
-def _bits(a):
-    return np.ascontiguousarray(a).view(np.uint32)
-
-
-def _layer(device, L):
-    return vkmoe.Exl3MoeMlp(device, L.gate, L.up, L.down, activation=L.activation, act_limit=L.act_limit)
 
 
 def _plan_shape(monkeypatch, moe, stage3, direct, x, ids, w):
@@ -45,7 +38,7 @@ def _plan_shape(monkeypatch, moe, stage3, direct, x, ids, w):
 @pytest.mark.parametrize("path", golden_files(), ids=lambda p: os.path.basename(p)[:-4])
 def test_stage3_in_the_down_items_gives_the_band_tails_bits(device, monkeypatch, path, direct):
     L = load_layer(path)
-    tails, in_down = _layer(device, L), _layer(device, L)
+    tails, in_down = golden_moe(device, L), golden_moe(device, L)
     try:
         for call in L.calls:
             other = other_routing(call, tails.E, 11)  # poison: a first call on it fills every buffer
@@ -56,9 +49,9 @@ def test_stage3_in_the_down_items_gives_the_band_tails_bits(device, monkeypatch,
             modes = ("split", "persistent") if os.path.basename(path) in PERSISTENT else ("split",)
             for mode in modes:
                 got = run_golden_call(in_down, call, mode)
-                assert np.array_equal(_bits(got), _bits(want)), f"{mode}{call['suffix']}"
+                assert same_bits(got, want), f"{mode}{call['suffix']}"
             if os.path.basename(path) in PERSISTENT:  # the gate/up tails' persistent launch too
-                assert np.array_equal(_bits(run_golden_call(tails, call, "persistent")), _bits(want)), call["suffix"]
+                assert same_bits(run_golden_call(tails, call, "persistent"), want), call["suffix"]
     finally:
         tails.close()
         in_down.close()
@@ -70,13 +63,13 @@ def test_persistent_stage3_in_down_leaves_its_counters_reset(device, monkeypatch
     still what the down items wait for)."""
     L = load_layer(golden_files()[0])
     call = L.calls[0]
-    moe = _layer(device, L)
+    moe = golden_moe(device, L)
     try:
         _plan_shape(monkeypatch, moe, "down", "off", -call["x"], call["selected"], call["weights"])
         want = run_golden_call(moe, call, "split")
         for i in range(100):
             got = run_golden_call(moe, call, "persistent")
-            assert np.array_equal(_bits(got), _bits(want)), i
+            assert same_bits(got, want), i
         words = moe._scratch_for(*call["selected"].shape).sync.download(np.uint32)
         assert not words.any(), np.nonzero(words)[0][:24]
     finally:
