@@ -6,7 +6,6 @@ allow a tolerance where these roundings act and did not see it (BENCHMARKS.md, t
 import os
 
 import numpy as np
-import pytest
 
 from vkmoe.exl3.reference import HAD_SCALE_F32
 from vkmoe.vk import CommandRecorder, Pipeline, PushConstants
@@ -17,13 +16,6 @@ ROUNDING = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 
 class RoundingPush(PushConstants):
     fields = [("pairs", "<u4")]
-
-
-@pytest.fixture(autouse=True)
-def no_validation_messages(device):
-    device.take_validation_messages()
-    yield
-    assert device.take_validation_messages() == []
 
 
 def _f16(x):
