@@ -30,6 +30,6 @@ void main() {
         had_in_load(w, sw);
         had_transform();
         [[unroll]] for (uint j = 0u; j < HAD_VALS; j += 2u)
-            if (mine) y[w + j / 2u] = packHalf2x16(vec2(had_v[j], had_v[j + 1u]) * HAD_SCALE);
+            if (mine) y[w + j / 2u] = had_scaled_word(j);
     }
 }

@@ -83,7 +83,7 @@ void linear_direct_a_row(uint kt0, uint kt1) {
         had_in_load(col / 2u, col / 2u);
         had_transform();
         [[unroll]] for (uint j = 0u; j < HAD_VALS; j += 2u)
-            if (r < nb) gemm_red[r * 64u + (c0 + j) / 2u] = packHalf2x16(vec2(had_v[j], had_v[j + 1u]) * HAD_SCALE);
+            if (r < nb) gemm_red[r * 64u + (c0 + j) / 2u] = had_scaled_word(j);
     }
     barrier();  // the GEMM reads the whole row
 }

@@ -1,8 +1,9 @@
 """The shaders' fp16 rounding, bit for bit against numpy (tests/shaders/test_rounding.comp): common.glsl's rn16 and
-rn16_pair as the linear's tail applies them, RN16(RN16(a · r) · s). A compiler may fold an fp16 pack and the unpack
-after it into nothing and keep the fp32 value: the NVIDIA driver (H100) and Mesa 25's lavapipe did so here (908 of
-4096 values one fp16 step off) until the packed word went through common.glsl's opaque_zero(); the tests of the ops
-allow a tolerance where these roundings act and did not see it (BENCHMARKS.md, thirtieth session)."""
+rn16_pair as the output tails apply them, RN16(RN16(a · r) · s) (the pair through hadamard128.glsl's had_out_pair).
+A compiler may fold an fp16 pack and the unpack after it into nothing and keep the fp32 value: the NVIDIA driver
+(H100) and Mesa 25's lavapipe did so here (908 of 4096 values one fp16 step off) until the packed word went through
+common.glsl's opaque_zero(); the tests of the ops allow a tolerance where these roundings act and did not see it
+(BENCHMARKS.md, thirtieth session)."""
 import os
 
 import numpy as np

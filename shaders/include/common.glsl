@@ -59,6 +59,9 @@ float rn16(float v) { return rn16_pair(vec2(v, 0.0)).x; }
 float min_nan(float a, float b) { return isnan(a) ? a : min(a, b); }
 float max_nan(float a, float b) { return isnan(a) ? a : max(a, b); }
 float clamp_nan(float x, float lo, float hi) { return isnan(x) ? x : clamp(x, lo, hi); }
+vec2 min_nan(vec2 a, float b) { return mix(min(a, vec2(b)), a, isnan(a)); }  // the same, per component
+vec2 max_nan(vec2 a, float b) { return mix(max(a, vec2(b)), a, isnan(a)); }
+vec2 clamp_nan(vec2 x, float lo, float hi) { return mix(clamp(x, vec2(lo), vec2(hi)), x, isnan(x)); }
 
 // erf for the gelu_erf activation (the MoE stages and the device block's shared expert).
 float erf_approx(float x) {  // Abramowitz-Stegun 7.1.26, |error| < 1.5e-7 (below fp16 resolution)

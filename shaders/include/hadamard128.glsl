@@ -98,13 +98,22 @@ void had_transform() {
     }
 }
 
-// had_v = RN16(had_v) (a GEMM's fp32 sums as its fp16 output), a pair at a time (common.glsl's rn16_pair).
+// Elements j and j + 1 of had_v (j even: HAD_VALS is even for every lane count the plan allows). The fp16 steps
+// below go a pair at a time: one conversion for two values (common.glsl's rn16_pair).
+vec2 had_pair(uint j) { return vec2(had_v[j], had_v[j + 1u]); }
+void had_set_pair(uint j, vec2 p) {
+    had_v[j] = p.x;
+    had_v[j + 1u] = p.y;
+}
+// Pair j of the transform's output, times 1/sqrt(128), as one packed fp16 word (an input Hadamard's result).
+uint had_scaled_word(uint j) { return packHalf2x16(had_pair(j) * HAD_SCALE); }
+// Pair j of an output Hadamard scaled by the fp16 pair s, RN16(RN16(had_v * HAD_SCALE) * s): the spec's tail
+// (the linear's svh, stage 3's gate and up svh).
+vec2 had_out_pair(uint j, vec2 s) { return rn16_pair(rn16_pair(had_pair(j) * HAD_SCALE) * s); }
+
+// had_v = RN16(had_v) (a GEMM's fp32 sums as its fp16 output).
 void had_round_pairs() {
-    [[unroll]] for (uint j = 0u; j < HAD_VALS; j += 2u) {
-        vec2 p = rn16_pair(vec2(had_v[j], had_v[j + 1u]));
-        had_v[j] = p.x;
-        had_v[j + 1u] = p.y;
-    }
+    [[unroll]] for (uint j = 0u; j < HAD_VALS; j += 2u) had_set_pair(j, rn16_pair(had_pair(j)));
 }
 
 #ifdef HAD_IN_X
@@ -112,11 +121,8 @@ void had_round_pairs() {
 // from packed fp16 word w of x and word sw of suh on. The includer defines HAD_IN_X(i) and HAD_IN_SUH(i), its
 // words (exl3_had_in.comp; exl3_linear.comp's direct mode, which builds its own input row).
 void had_in_load(uint w, uint sw) {
-    [[unroll]] for (uint j = 0u; j < HAD_VALS; j += 2u) {
-        vec2 p = rn16_pair(unpackHalf2x16(HAD_IN_X(w + j / 2u)) * unpackHalf2x16(HAD_IN_SUH(sw + j / 2u)));
-        had_v[j] = p.x;
-        had_v[j + 1u] = p.y;
-    }
+    [[unroll]] for (uint j = 0u; j < HAD_VALS; j += 2u)
+        had_set_pair(j, rn16_pair(unpackHalf2x16(HAD_IN_X(w + j / 2u)) * unpackHalf2x16(HAD_IN_SUH(sw + j / 2u))));
 }
 #endif
 

@@ -58,8 +58,7 @@ void linear_output_band(uint band, uint row0, uint nr, uint split_stride) {
         }
         had_transform();
         [[unroll]] for (uint j = 0u; j < HAD_VALS; j += 2u) {  // fp16 pairs of the band
-            vec2 q = rn16_pair(vec2(had_v[j], had_v[j + 1u]) * HAD_SCALE);
-            vec2 v = rn16_pair(q * unpackHalf2x16(svh[(c + j) >> 1]));
+            vec2 v = had_out_pair(j, unpackHalf2x16(svh[(c + j) >> 1]));
             if (HAS_BIAS) v += unpackHalf2x16(bias[(c + j) >> 1]);
             if (r < nr && g == 0u) y[(e + j) >> 1] = packHalf2x16(v);
         }

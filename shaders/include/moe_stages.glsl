@@ -372,9 +372,7 @@ void stage1_load(uint t, uint e, uint proj, uint h0) {
     uint xw = (t * pc.H + h0) >> 1, sw = (e * pc.H + h0) >> 1;  // h0 is even: whole fp16 pairs
     [[unroll]] for (uint j = 0u; j < HAD_VALS; j += 2u) {
         vec2 x = unpackHalf2x16(hidden[xw + j / 2u]);
-        vec2 p = rn16_pair(x * unpackHalf2x16(proj == 0u ? gate_suh[sw + j / 2u] : up_suh[sw + j / 2u]));
-        had_v[j] = p.x;
-        had_v[j + 1u] = p.y;
+        had_set_pair(j, rn16_pair(x * unpackHalf2x16(proj == 0u ? gate_suh[sw + j / 2u] : up_suh[sw + j / 2u])));
     }
 }
 
@@ -392,7 +390,7 @@ void moe_stage1(uint u) {
         had_transform();
         uint sw = ((proj * R() + f) * pc.H + h0) >> 1;
         [[unroll]] for (uint j = 0u; j < HAD_VALS; j += 2u)
-            if (live) states[sw + j / 2u] = packHalf2x16(vec2(had_v[j], had_v[j + 1u]) * HAD_SCALE);
+            if (live) states[sw + j / 2u] = had_scaled_word(j);
         // A token with no valid slot (possible only through record() / forward_sorted) gets a zero output row:
         // nobody else writes it. Slot 0's first rows own that row, each invocation its columns, so the fill is
         // spread over the stage-1 workgroups with no loop: one routing workgroup sweeping all m*H outputs would
@@ -404,23 +402,27 @@ void moe_stage1(uint u) {
 }
 
 // ------------------------------------------------------------------------------------------ activations
-// Spec 8.6, fp16 semantics: every step rounds to fp16 as the CUDA arm's half2 math does.
-float act_silu(float g) {
-    float e = rn16(exp(-g));
-    float s = rn16(1.0 + e);
-    return rn16(g * rn16(1.0 / s));
+// Spec 8.6, fp16 semantics: every step rounds to fp16 as the CUDA arm's half2 math does, here a pair of columns
+// at a time (one conversion for two values, as the tail around them).
+vec2 act_silu(vec2 g) {
+    vec2 e = rn16_pair(exp(-g));
+    vec2 s = rn16_pair(1.0 + e);
+    return rn16_pair(g * rn16_pair(1.0 / s));
 }
-float act_gelu_tanh(float x) { return rn16(0.5 * x * (1.0 + tanh(0.797884560803 * (x + 0.044715 * x * x * x)))); }
-float act_gelu_erf(float x) { return rn16(0.5 * x * (1.0 + erf_approx(x * 0.70710678118654752))); }
+vec2 act_gelu_tanh(vec2 x) { return rn16_pair(0.5 * x * (1.0 + tanh(0.797884560803 * (x + 0.044715 * x * x * x)))); }
+vec2 act_gelu_erf(vec2 x) {
+    vec2 e = vec2(erf_approx(x.x * 0.70710678118654752), erf_approx(x.y * 0.70710678118654752));
+    return rn16_pair(0.5 * x * (1.0 + e));
+}
 
-// p = RN16(act(g) * u) with act_limit semantics (vkmoe/exl3/reference.py): g, u are fp16 values.
-float activate(float g, float u) {
+// p = RN16(act(g) * u) with act_limit semantics (vkmoe/exl3/reference.py): g, u are pairs of fp16 values.
+vec2 activate(vec2 g, vec2 u) {
     float L = pc.act_limit;
     if (ACT == ACT_SWIGLU_OAI) {
         if (L != 0.0) { g = min_nan(g, L); u = clamp_nan(u, -L, L); }
-        return rn16((u + 1.0) * g * (1.0 / (1.0 + exp(-1.702 * g))));
+        return rn16_pair((u + 1.0) * g * (1.0 / (1.0 + exp(-1.702 * g))));
     }
-    float a;
+    vec2 a;
     if (ACT == ACT_SILU) a = act_silu(g);
     else if (ACT == ACT_GELU) a = act_gelu_tanh(g);
     else if (ACT == ACT_GELU_ERF) a = act_gelu_erf(g);
@@ -430,7 +432,7 @@ float activate(float g, float u) {
         u = clamp_nan(u, -L16, L16);
         a = min_nan(a, L16);
     }
-    return rn16(a * u);
+    return rn16_pair(a * u);
 }
 
 // ------------------------------------------------------------------- shared GEMM plumbing of stages 2 and 4
@@ -482,7 +484,7 @@ void moe_direct_stage1(uint f, uint e, uint proj, uint kt0, uint kt1) {
         stage1_load(f / pc.top_k, e, proj, (b0 + min(r, nb - 1u)) * 128u + c0);
         had_transform();
         [[unroll]] for (uint j = 0u; j < HAD_VALS; j += 2u)
-            if (r < nb) gemm_red[r * 64u + (c0 + j) / 2u] = packHalf2x16(vec2(had_v[j], had_v[j + 1u]) * HAD_SCALE);
+            if (r < nb) gemm_red[r * 64u + (c0 + j) / 2u] = had_scaled_word(j);
     }
     barrier();  // the GEMM reads the whole row
 }
@@ -610,8 +612,7 @@ void moe_stage3(uint e, uint p0, uint q0, uint nr, uint b0, uint nb, bool to_red
             had_round_pairs();  // the fp16 GEMM output Ig
             had_transform();
             [[unroll]] for (uint j = 0u; j < HAD_VALS; j += 2u) {
-                vec2 q = rn16_pair(vec2(had_v[j], had_v[j + 1u]) * HAD_SCALE);
-                vec2 g = rn16_pair(q * vec2(gate_sv[j], gate_sv[j + 1u]));
+                vec2 g = had_out_pair(j, vec2(gate_sv[j], gate_sv[j + 1u]));
                 s3_gate[j] = g.x;
                 s3_gate[j + 1u] = g.y;
             }
@@ -620,17 +621,14 @@ void moe_stage3(uint e, uint p0, uint q0, uint nr, uint b0, uint nb, bool to_red
         had_round_pairs();  // Iu
         had_transform();
         [[unroll]] for (uint j = 0u; j < HAD_VALS; j += 2u) {
-            vec2 q = rn16_pair(vec2(had_v[j], had_v[j + 1u]) * HAD_SCALE);
-            vec2 u = rn16_pair(q * vec2(up_sv[j], up_sv[j + 1u]));
-            vec2 a = vec2(activate(s3_gate[j], u.x), activate(s3_gate[j + 1u], u.y));
-            vec2 x = rn16_pair(a * vec2(down_su[j], down_su[j + 1u]));
-            had_v[j] = x.x;
-            had_v[j + 1u] = x.y;
+            vec2 u = had_out_pair(j, vec2(up_sv[j], up_sv[j + 1u]));
+            vec2 a = activate(vec2(s3_gate[j], s3_gate[j + 1u]), u);
+            had_set_pair(j, rn16_pair(a * vec2(down_su[j], down_su[j + 1u])));
         }
         had_transform();
         uint iw = to_red ? unit * 64u + had_col0() / 2u : ((p0 + r) * pc.I + n0) >> 1;
         [[unroll]] for (uint j = 0u; j < HAD_VALS; j += 2u) {
-            uint w = packHalf2x16(vec2(had_v[j], had_v[j + 1u]) * HAD_SCALE);
+            uint w = had_scaled_word(j);
             if (unit < units) {
 #ifndef MOE_COOP  // (the cooperative-matrix builds have no gemm_red and never pass to_red)
                 if (to_red) gemm_red[iw + j / 2u] = w;

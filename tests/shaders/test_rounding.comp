@@ -1,12 +1,13 @@
 #version 450
-// The shaders' fp16 rounding (common.glsl: rn16, rn16_pair, where a compiler may drop it) as the linear's tail
-// applies it, RN16(RN16(a * r) * s) (linear_tail.glsl), one value at a time and a pair at a time; fp16 out, for
-// tests/test_rounding.py to compare with numpy bit for bit.
+// The shaders' fp16 rounding (common.glsl: rn16, rn16_pair, where a compiler may drop it) as the output tails
+// apply it, RN16(RN16(a * r) * s): one value at a time, and a pair at a time through hadamard128.glsl's
+// had_out_pair itself (linear_tail.glsl, moe_stages.glsl stage 3); fp16 out, for tests/test_rounding.py to
+// compare with numpy bit for bit.
 #include "common.glsl"
 #define WG_SIZE 256u
 layout(local_size_x = 256) in;
 #include "generated/moe_layout.glsl"
-#include "hadamard128.glsl"  // HAD_SCALE
+#include "hadamard128.glsl"  // HAD_SCALE, had_set_pair, had_out_pair
 
 layout(std430, binding = 0) readonly buffer A { vec2 a[]; };     // fp32 pairs
 layout(std430, binding = 1) readonly buffer S { uint s[]; };     // fp16 pairs
@@ -19,5 +20,6 @@ void main() {
     if (i >= pc.pairs) return;
     vec2 v = a[i], sv = unpackHalf2x16(s[i]);
     one[i] = packHalf2x16(vec2(rn16(rn16(v.x * HAD_SCALE) * sv.x), rn16(rn16(v.y * HAD_SCALE) * sv.y)));
-    pair[i] = packHalf2x16(rn16_pair(rn16_pair(v * HAD_SCALE) * sv));
+    had_set_pair(0u, v);
+    pair[i] = packHalf2x16(had_out_pair(0u, sv));
 }
