@@ -1037,9 +1037,10 @@ def _in_fork_child(work, timeout):
     import signal
 
     read, write = os.pipe()
+    progress_read, progress_write = os.pipe()  # the report's keys as the child sets them: where a hang was
     pid = os.fork()
     if pid == 0:
-        report = {}
+        report = _ProgressReport(progress_write)
         try:
             work(report)
         except BaseException as exc:
@@ -1047,21 +1048,38 @@ def _in_fork_child(work, timeout):
         os.write(write, json.dumps(report).encode())
         os._exit(0)
     os.close(write)
+    os.close(progress_write)
     ready, _, _ = select.select([read], [], [], timeout)
     if not ready:
         os.kill(pid, signal.SIGKILL)
-    with os.fdopen(read) as f:
-        report = json.loads(f.read() or "{}") if ready else {"unexpected": f"the child hung for {timeout} s"}
+    with os.fdopen(read) as f, os.fdopen(progress_read) as p:
+        if ready:
+            report = json.loads(f.read() or "{}")
+        else:
+            done = p.read().split()
+            report = {"unexpected": f"the child hung for {timeout} s, after setting {done[-3:] or 'nothing'}"}
     _, status = os.waitpid(pid, 0)
     return report, status
+
+
+class _ProgressReport(dict):
+    """A fork child's report that also writes each key it is given to a pipe, as it is given."""
+
+    def __init__(self, fd):
+        super().__init__()
+        self._fd = fd
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        os.write(self._fd, f"{key} ".encode())
 
 
 def test_a_forked_child_gets_a_clear_error_and_can_open_its_own_device(tiny_layer):
     """Vulkan objects do not survive fork(). A child's call on the parent's device waited VKMOE_TIMEOUT (60 s) for a
     submission lavapipe never ran, then blamed the GPU, and a new Device in the child hung the same way (it reused
     the parent's VkInstance). Now the parent's objects raise DeviceClosedError at once saying why, closing them
-    touches no handle of the parent's, a new Device in the child works (lavapipe) or says why it cannot (NVIDIA's
-    driver refuses vkCreateDevice there), and the parent carries on unharmed."""
+    touches no handle of the parent's, a new Device in the child works (lavapipe) or says why it cannot (after a GPU
+    device in the parent: the next test), and the parent carries on unharmed."""
     from vkmoe.ops.device_array import DeviceArray
     from vkmoe.vk import CommandRecorder, DeviceClosedError
 
@@ -1086,9 +1104,10 @@ def test_a_forked_child_gets_a_clear_error_and_can_open_its_own_device(tiny_laye
         report["seconds"] = time.monotonic() - t0
         for thing in (rec, xd, moe, d):  # the parent's: closing them must not touch its handles
             thing.close()
+        report["closed"] = True
         try:
             d2 = vkmoe.Device()
-        except vkmoe.VkmoeError as exc:  # (NVIDIA's driver refuses a device in a fork child: the error says so)
+        except vkmoe.VkmoeError as exc:  # (after a GPU device in the parent: refused at once, the error says why)
             report["own_device"] = str(exc)
         else:
             with d2, vkmoe.Exl3MoeMlp(d2, L.gate, L.up, L.down, activation="silu", dispatch="split") as moe2:
@@ -1107,6 +1126,51 @@ def test_a_forked_child_gets_a_clear_error_and_can_open_its_own_device(tiny_laye
     assert np.array_equal(moe(xd, ids, w), moe(x * np.float16(0) + xd.numpy(), ids, w))
     assert np.array_equal(moe(x, ids, w), expect)
     rec.close(), xd.close(), moe.close()
+    assert not d.take_validation_messages()
+    d.close()
+
+
+def test_a_fork_child_of_a_process_that_opened_a_gpu_makes_no_vulkan_call(tiny_layer, monkeypatch):
+    """A GPU driver does not survive fork(): NVIDIA's refused vkCreateDevice in such a child, and once a child that
+    opened a new Device there hung until it was killed. So after a GPU Device in the parent, Device() and
+    list_devices() in a fork child raise at once, saying why and what to do, and never reach the driver; the CPU
+    tier still runs there, and the parent's device is unharmed. (lavapipe: the parent pretends to have opened a
+    GPU, the mark a GPU Device leaves.)"""
+    from vkmoe import registry
+    from vkmoe.vk import device as device_module
+
+    L, c = tiny_layer, tiny_layer.calls[0]
+    d = vkmoe.Device()
+    monkeypatch.setattr(device_module, "_gpu_opened", "a GPU (pretend)")
+
+    def child(report):
+        made = []
+
+        def no_instance(*args, **kwargs):
+            made.append(True)
+            raise AssertionError("a Vulkan instance was made")
+
+        device_module._Instance.__init__ = no_instance
+        t0 = time.monotonic()
+        for name, call in (("device", vkmoe.Device), ("list", vkmoe.list_devices)):
+            try:
+                call()
+            except vkmoe.VkmoeError as exc:
+                report[name] = str(exc)
+        report["seconds"] = time.monotonic() - t0
+        report["instance_made"] = bool(made)
+        y = registry.create("exl3_moe_mlp", L.gate, L.up, L.down, backend="cpu")(c["x"], c["selected"], c["weights"])
+        report["cpu"] = bool(np.isfinite(y).all())
+
+    report, status = _in_fork_child(child, 60)
+    assert "unexpected" not in report, report
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    for name in ("device", "list"):
+        said = report.get(name, "")
+        assert "forked from" in said and "a GPU (pretend)" in said and "'spawn'" in said, report
+    assert report["seconds"] < 5 and not report["instance_made"] and report["cpu"], report
+    with vkmoe.Exl3MoeMlp(d, L.gate, L.up, L.down, activation="silu", dispatch="split") as moe:  # the parent's
+        assert rel_rms(moe(c["x"], c["selected"], c["weights"]), c["ref_out"]) < TOL
     assert not d.take_validation_messages()
     d.close()
 
