@@ -38,8 +38,7 @@ def _run(moe, call, mode, direct):
 @pytest.mark.parametrize("path", golden_files(), ids=lambda p: os.path.basename(p)[:-4])
 def test_direct_mode_gives_the_routed_bits(device, monkeypatch, path):
     L = load_layer(path)
-    routed, direct = golden_moe(device, L), golden_moe(device, L)
-    try:
+    with golden_moe(device, L) as routed, golden_moe(device, L) as direct:
         for call in L.calls:
             other = other_routing(call, routed.E, 7)  # poison: a first call on it fills every buffer
             for moe, setting in ((routed, "off"), (direct, "on")):
@@ -53,9 +52,6 @@ def test_direct_mode_gives_the_routed_bits(device, monkeypatch, path):
                 assert same_bits(_run(routed, call, "persistent", "off"), want), call["suffix"]
             ref = reference_targets(L, call)[0][1]
             assert rel_rms(want, ref) < 3e-3
-    finally:
-        routed.close()
-        direct.close()
 
 
 def _record_run(device, moe, x, ids, w, mode):
@@ -81,8 +77,7 @@ def _record_run(device, moe, x, ids, w, mode):
 def test_direct_mode_skips_bad_ids_and_zeroes_tokens_without_a_valid_expert(device, monkeypatch):
     L = load_layer(golden_files()[0])
     call = L.calls[0]
-    routed, direct = golden_moe(device, L), golden_moe(device, L)
-    try:
+    with golden_moe(device, L) as routed, golden_moe(device, L) as direct:
         E = direct.E
         ids = call["selected"].astype(np.int64).copy()
         ids[0, :] = [-1, E + 5]  # token 0: no valid slot at all
@@ -100,9 +95,6 @@ def test_direct_mode_skips_bad_ids_and_zeroes_tokens_without_a_valid_expert(devi
             assert same_bits(got, want), mode
         words = direct._scratch_for(*ids.shape).sync.download(np.uint32)
         assert not words.any(), np.nonzero(words)[0][:24]
-    finally:
-        routed.close()
-        direct.close()
 
 
 def test_plan_chooses_direct_mode_for_small_batches_with_short_items(device, monkeypatch):
@@ -188,8 +180,7 @@ def test_direct_mode_with_one_down_split(device, monkeypatch, name):
     valid slot, a single-split arrival takes no counter round trip (wg_last_arrival) but the token's counter still
     does; the routed bits in both dispatch modes, and the counters back to 0 after each launch."""
     L = load_layer(os.path.join(os.path.dirname(golden_files()[0]), name))
-    routed, direct = golden_moe(device, L), golden_moe(device, L)
-    try:
+    with golden_moe(device, L) as routed, golden_moe(device, L) as direct:
         for call in L.calls:
             for moe, setting in ((routed, "off"), (direct, "on")):
                 monkeypatch.setenv("VKMOE_MOE_DIRECT", setting)
@@ -202,9 +193,6 @@ def test_direct_mode_with_one_down_split(device, monkeypatch, name):
                 assert same_bits(_run(direct, call, mode, "on"), want), f"{mode}{call['suffix']}"
             words = direct._scratch_for(*call["selected"].shape).sync.download(np.uint32)
             assert not words.any(), np.nonzero(words)[0][:24]
-    finally:
-        routed.close()
-        direct.close()
 
 
 def test_direct_splits_weigh_rounds_against_item_cost(device, monkeypatch):
@@ -236,8 +224,7 @@ def test_forced_direct_splits_keep_whole_k_steps(device, monkeypatch):
     3 gate/up splits of the tiny layer's 16 k-tiles run as 2 of 8. Mesa 22.3's lavapipe left every persistent
     output NaN with 3 splits of 6 tiles; here the persistent bits must equal split's, which equal routed mode's."""
     L = load_layer(TINY_PATH)
-    direct, routed = golden_moe(device, L), golden_moe(device, L)
-    try:
+    with golden_moe(device, L) as direct, golden_moe(device, L) as routed:
         call = next(c for c in L.calls if c["suffix"] == "_m1")
         monkeypatch.setenv("VKMOE_MOE_SPLITS", "3,1")
         for moe, setting in ((direct, "on"), (routed, "off")):
@@ -255,6 +242,3 @@ def test_forced_direct_splits_keep_whole_k_steps(device, monkeypatch):
         for mode in ("split", "persistent"):
             got = _run(direct, call, mode, "on")
             assert np.all(np.isfinite(got)) and same_bits(got, want), mode
-    finally:
-        direct.close()
-        routed.close()

@@ -38,8 +38,7 @@ def _plan_shape(monkeypatch, moe, stage3, direct, x, ids, w):
 @pytest.mark.parametrize("path", golden_files(), ids=lambda p: os.path.basename(p)[:-4])
 def test_stage3_in_the_down_items_gives_the_band_tails_bits(device, monkeypatch, path, direct):
     L = load_layer(path)
-    tails, in_down = golden_moe(device, L), golden_moe(device, L)
-    try:
+    with golden_moe(device, L) as tails, golden_moe(device, L) as in_down:
         for call in L.calls:
             other = other_routing(call, tails.E, 11)  # poison: a first call on it fills every buffer
             for moe, stage3 in ((tails, "gate_up"), (in_down, "down")):
@@ -52,9 +51,6 @@ def test_stage3_in_the_down_items_gives_the_band_tails_bits(device, monkeypatch,
                 assert same_bits(got, want), f"{mode}{call['suffix']}"
             if os.path.basename(path) in PERSISTENT:  # the gate/up tails' persistent launch too
                 assert same_bits(run_golden_call(tails, call, "persistent"), want), call["suffix"]
-    finally:
-        tails.close()
-        in_down.close()
 
 
 def test_persistent_stage3_in_down_leaves_its_counters_reset(device, monkeypatch):
