@@ -10,11 +10,11 @@ import sys
 
 import numpy as np
 
-from ..exl3 import Exl3Tensor, save_exl3_tensor
+from ..exl3 import save_exl3_tensor
 from ..exl3.decode import codebook_table
 from ..exl3.synthetic import random_exl3_tensor
 from ..exl3.checkpoint_dir import INDEX_NAME, Checkpoint, open_checkpoint  # noqa: F401 (re-exported)
-from .config import SPECS, CheckpointError, MissingTensorError, MoeConfig
+from .config import SPECS, MoeConfig
 
 __all__ = ["Checkpoint", "open_checkpoint", "write_checkpoint", "checkpoint_config"]
 

@@ -7,6 +7,7 @@ barriers or as one persistent dispatch with spin barriers (vkmoe.sched decides; 
 from collections import OrderedDict
 import dataclasses
 import functools
+import os
 import time
 from typing import NamedTuple
 import weakref
@@ -20,8 +21,7 @@ from ..layout import ROUTE_MAX_EXPERTS as MAX_EXPERTS
 from ..sched import occupancy
 from ..sched.plan import DecisionInputs, coop_split_reason, decide, persistent_plan
 from ..exl3.reference import F32_MAX, check_op_routing
-from ..vk import (CommandRecorder, DeviceClosedError, GpuTime, PushConstants, TimeoutError, VkmoeError,
-                  expect_device)
+from ..vk import CommandRecorder, DeviceClosedError, GpuTime, PushConstants, VkmoeError, expect_device
 from ..vk import fastcall
 from ..vk.errors import closed_op_error
 from ..vk.fastcall import BoundedRule, IndexRule
@@ -616,7 +616,7 @@ class Exl3MoeMlp:
         return occupancy.measure(self.device, key, record)
 
     def _record_persistent(self, cmd, scratch, buffers, pplan, shared_add=layout.SHARED_ADD_NONE):
-        plan, dev = scratch.plan, self.device
+        plan = scratch.plan
         pipe = self._persistent_pipeline(plan)
         dset = pipe.bind(*buffers)
         cmd.dispatch(pipe, dset, pplan.workgroups, self._push(plan, pplan, shared_add=shared_add))
