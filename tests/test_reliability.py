@@ -1229,7 +1229,10 @@ def test_a_fork_while_other_threads_hold_vkmoes_locks_does_not_hang_the_child(ti
             thing.close()
         report["cpu"] = bool(np.array_equal(cpu.moe_forward(x, ids, w, L.gate, L.up, L.down, "silu"), cpu_expect))
         report["registry"] = ("exl3_moe_mlp", "cpu") in registry.available()
-        report["devices"] = len(vkmoe.list_devices())  # (takes the instance lock)
+        try:
+            report["devices"] = len(vkmoe.list_devices())  # (takes the instance lock)
+        except vkmoe.VkmoeError as exc:  # (after a GPU device in the parent: refused under that lock, at once)
+            report["devices"] = str(exc)
         report["seconds"] = time.monotonic() - t0
 
     report, _ = _in_fork_child(child, 60)  # (a child that hangs, as before the fix, is killed)
@@ -1237,7 +1240,8 @@ def test_a_fork_while_other_threads_hold_vkmoes_locks_does_not_hang_the_child(ti
     t.join(10)
     assert "unexpected" not in report, report
     assert report["errors"] == ["moe", "linear", "sharded"] and report["cpu"] and report["registry"], report
-    assert report["devices"] >= 1, report
+    gpu_parent = d.device_type != "cpu"
+    assert ("'spawn'" in report["devices"]) if gpu_parent else report["devices"] >= 1, report
     assert report["seconds"] < 20, report
     # the parent's objects carry on once its thread let go of the locks
     assert np.array_equal(moe(x, ids, w), expect) and np.array_equal(sharded(x, ids, w), expect)

@@ -69,8 +69,8 @@ class _Instance:
 
     @classmethod
     def get(cls, validation):
-        _check_not_forked_from_a_gpu_process()  # (before any Vulkan call: the driver may hang there)
         with cls._lock:
+            _check_not_forked_from_a_gpu_process()  # (before any Vulkan call: the driver may hang there)
             inst = cls._instances.get(validation)
             if inst is None:
                 inst = cls._instances[validation] = cls(validation)
