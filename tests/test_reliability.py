@@ -1078,8 +1078,8 @@ def test_a_forked_child_gets_a_clear_error_and_can_open_its_own_device(tiny_laye
     """Vulkan objects do not survive fork(). A child's call on the parent's device waited VKMOE_TIMEOUT (60 s) for a
     submission lavapipe never ran, then blamed the GPU, and a new Device in the child hung the same way (it reused
     the parent's VkInstance). Now the parent's objects raise DeviceClosedError at once saying why, closing them
-    touches no handle of the parent's, a new Device in the child works (lavapipe) or says why it cannot (after a GPU
-    device in the parent: the next test), and the parent carries on unharmed."""
+    touches no handle of the parent's, a new Device in the child works (lavapipe) or says why it cannot (where the
+    parent loaded a GPU's driver: the next tests), and the parent carries on unharmed."""
     from vkmoe.ops.device_array import DeviceArray
     from vkmoe.vk import CommandRecorder, DeviceClosedError
 
@@ -1107,7 +1107,7 @@ def test_a_forked_child_gets_a_clear_error_and_can_open_its_own_device(tiny_laye
         report["closed"] = True
         try:
             d2 = vkmoe.Device()
-        except vkmoe.VkmoeError as exc:  # (after a GPU device in the parent: refused at once, the error says why)
+        except vkmoe.VkmoeError as exc:  # (after a GPU's driver in the parent: refused at once, the error says why)
             report["own_device"] = str(exc)
         else:
             with d2, vkmoe.Exl3MoeMlp(d2, L.gate, L.up, L.down, activation="silu", dispatch="split") as moe2:
@@ -1132,16 +1132,16 @@ def test_a_forked_child_gets_a_clear_error_and_can_open_its_own_device(tiny_laye
 
 def test_a_fork_child_of_a_process_that_opened_a_gpu_makes_no_vulkan_call(tiny_layer, monkeypatch):
     """A GPU driver does not survive fork(): NVIDIA's refused vkCreateDevice in such a child, and once a child that
-    opened a new Device there hung until it was killed. So after a GPU Device in the parent, Device() and
+    opened a new Device there hung until it was killed. So where the parent loaded a GPU's driver, Device() and
     list_devices() in a fork child raise at once, saying why and what to do, and never reach the driver; the CPU
-    tier still runs there, and the parent's device is unharmed. (lavapipe: the parent pretends to have opened a
-    GPU, the mark a GPU Device leaves.)"""
+    tier still runs there, and the parent's device is unharmed. (lavapipe: the parent pretends to have loaded a
+    GPU's driver, the mark that enumerating one leaves.)"""
     from vkmoe import registry
     from vkmoe.vk import device as device_module
 
     L, c = tiny_layer, tiny_layer.calls[0]
     d = vkmoe.Device()
-    monkeypatch.setattr(device_module, "_gpu_opened", "a GPU (pretend)")
+    monkeypatch.setattr(device_module, "_gpu_driver", "a GPU (pretend)")
 
     def child(report):
         made = []
@@ -1173,6 +1173,30 @@ def test_a_fork_child_of_a_process_that_opened_a_gpu_makes_no_vulkan_call(tiny_l
         assert rel_rms(moe(c["x"], c["selected"], c["weights"]), c["ref_out"]) < TOL
     assert not d.take_validation_messages()
     d.close()
+
+
+def test_a_gpu_among_the_enumerated_devices_marks_the_process(monkeypatch):
+    """The loader loads every driver when devices are enumerated, so a GPU's driver (and its threads) is in the
+    process as soon as an instance lists it, whichever device is opened: the first non-CPU device enumerated is
+    what a fork child's refusal names; CPU drivers leave no mark."""
+    from types import SimpleNamespace
+
+    import vulkan as vk
+    from vkmoe.vk import device as device_module
+
+    monkeypatch.setattr(device_module, "_gpu_driver", None)
+    cpu = SimpleNamespace(deviceType=vk.VK_PHYSICAL_DEVICE_TYPE_CPU, deviceName="llvmpipe")
+    device_module._note_gpu_driver([cpu])
+    assert device_module._gpu_driver is None
+    device_module._note_gpu_driver([cpu, SimpleNamespace(deviceType=vk.VK_PHYSICAL_DEVICE_TYPE_DISCRETE_GPU,
+                                                         deviceName="Big GPU")])
+    device_module._note_gpu_driver([SimpleNamespace(deviceType=vk.VK_PHYSICAL_DEVICE_TYPE_INTEGRATED_GPU,
+                                                    deviceName="Small GPU")])
+    assert device_module._gpu_driver == "Big GPU"
+    # this machine's own devices: marked exactly when one of them is not a CPU driver
+    monkeypatch.setattr(device_module, "_gpu_driver", None)
+    listed = vkmoe.list_devices()
+    assert (device_module._gpu_driver is None) == all(kind == "cpu" for _, _, kind in listed), listed
 
 
 def test_a_fork_while_other_threads_hold_vkmoes_locks_does_not_hang_the_child(tiny_layer):
@@ -1231,7 +1255,7 @@ def test_a_fork_while_other_threads_hold_vkmoes_locks_does_not_hang_the_child(ti
         report["registry"] = ("exl3_moe_mlp", "cpu") in registry.available()
         try:
             report["devices"] = len(vkmoe.list_devices())  # (takes the instance lock)
-        except vkmoe.VkmoeError as exc:  # (after a GPU device in the parent: refused under that lock, at once)
+        except vkmoe.VkmoeError as exc:  # (after a GPU's driver in the parent: refused under that lock, at once)
             report["devices"] = str(exc)
         report["seconds"] = time.monotonic() - t0
 
@@ -1240,7 +1264,9 @@ def test_a_fork_while_other_threads_hold_vkmoes_locks_does_not_hang_the_child(ti
     t.join(10)
     assert "unexpected" not in report, report
     assert report["errors"] == ["moe", "linear", "sharded"] and report["cpu"] and report["registry"], report
-    gpu_parent = d.device_type != "cpu"
+    from vkmoe.vk import device as device_module
+
+    gpu_parent = device_module._gpu_driver is not None
     assert ("'spawn'" in report["devices"]) if gpu_parent else report["devices"] >= 1, report
     assert report["seconds"] < 20, report
     # the parent's objects carry on once its thread let go of the locks

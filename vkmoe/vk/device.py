@@ -142,7 +142,9 @@ class _Instance:
         self._messenger = create(self.handle, info, None)
 
     def physical_devices(self):
-        return list(call("vkEnumeratePhysicalDevices", vk.vkEnumeratePhysicalDevices, self.handle))
+        found = list(call("vkEnumeratePhysicalDevices", vk.vkEnumeratePhysicalDevices, self.handle))
+        _note_gpu_driver([vk.vkGetPhysicalDeviceProperties(pd) for pd in found])
+        return found
 
 
 def list_devices():
@@ -254,18 +256,27 @@ def expect_device(value, name="device"):
 # Every Device opened in this process: a child process after fork() marks them closed at once (_after_fork_in_child).
 _open_devices = weakref.WeakSet()
 _fork_parent = None  # in a fork() child of a process that had used Vulkan: the parent's pid (Device() errors say so)
-# The first GPU (any device but a CPU driver) this process opened a Device on. A fork() child of such a process
-# makes no Vulkan call at all: a GPU driver's state and threads stay in the parent. NVIDIA's driver refused
-# vkCreateDevice in such a child, and once (an H100, thirty-first session, three other test processes on the GPU)
-# a child that opened a new Device hung until it was killed. lavapipe runs a new instance in the child, so a
-# process that opened only CPU drivers' devices leaves this unset.
-_gpu_opened = None
+# The first GPU (any device but a CPU driver) whose driver this process loaded: the loader loads every driver
+# when an instance enumerates devices, so a process that opened only lavapipe on a GPU machine has the GPU's
+# driver and its threads too. A fork() child of such a process makes no Vulkan call at all: a GPU driver's state
+# and threads stay in the parent. NVIDIA's driver refused vkCreateDevice in such a child, and once (an H100,
+# thirty-first session, three other test processes on the GPU) a child that opened a new Device hung until it
+# was killed. lavapipe alone runs a new instance in the child, so a machine without a GPU leaves this unset.
+_gpu_driver = None
+
+
+def _note_gpu_driver(properties):
+    """Remember the first GPU among the enumerated devices' VkPhysicalDeviceProperties (_gpu_driver)."""
+    global _gpu_driver
+    for props in properties:
+        if _gpu_driver is None and props.deviceType != vk.VK_PHYSICAL_DEVICE_TYPE_CPU:
+            _gpu_driver = props.deviceName
 
 
 def _check_not_forked_from_a_gpu_process():
-    if _fork_parent is not None and _gpu_opened is not None:
-        raise VkmoeError(f"this process was forked from process {_fork_parent}, which had opened a Vulkan device on "
-                         f"{_gpu_opened!r}: a GPU driver does not survive fork(), so vkmoe makes no Vulkan call "
+    if _fork_parent is not None and _gpu_driver is not None:
+        raise VkmoeError(f"this process was forked from process {_fork_parent}, which had loaded the Vulkan driver of "
+                         f"{_gpu_driver!r}: a GPU driver does not survive fork(), so vkmoe makes no Vulkan call "
                          "here; start this process with multiprocessing's 'spawn' method instead")
 
 
@@ -277,7 +288,7 @@ def _after_fork_in_child():
     the parent's instance never ran a submission on lavapipe either)."""
     global _fork_parent
     parent = os.getppid()
-    if _open_devices or _Instance._instances or _gpu_opened is not None:
+    if _open_devices or _Instance._instances or _gpu_driver is not None:
         _fork_parent = parent
     for device in list(_open_devices):
         device._left_by_fork(parent)
@@ -339,9 +350,6 @@ class Device:
             raise VkmoeError(f"{exc}: this process was forked from process {_fork_parent}, which had opened a "
                              "Vulkan device, and this driver refuses a device in such a child; start it with "
                              "multiprocessing's 'spawn' method instead") from exc
-        global _gpu_opened
-        if self.device_type != "cpu" and _gpu_opened is None:
-            _gpu_opened = self.name
         self._closed = False
         self._handle_alive = True
         self._children = []  # objects to destroy on close, in reverse order
