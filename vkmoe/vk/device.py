@@ -142,8 +142,11 @@ class _Instance:
         self._messenger = create(self.handle, info, None)
 
     def physical_devices(self):
-        found = list(call("vkEnumeratePhysicalDevices", vk.vkEnumeratePhysicalDevices, self.handle))
-        _note_gpu_driver([vk.vkGetPhysicalDeviceProperties(pd) for pd in found])
+        """[(VkPhysicalDevice, its VkPhysicalDeviceProperties)], one properties query each (a GPU among them marks
+        the process: _note_gpu_driver)."""
+        found = [(pd, vk.vkGetPhysicalDeviceProperties(pd))
+                 for pd in call("vkEnumeratePhysicalDevices", vk.vkEnumeratePhysicalDevices, self.handle)]
+        _note_gpu_driver([props for _, props in found])
         return found
 
 
@@ -151,8 +154,7 @@ def list_devices():
     """[(index, name, type, driver info)] of the Vulkan devices visible to this process."""
     inst = _Instance.get(_validation_requested())
     out = []
-    for index, pd in enumerate(inst.physical_devices()):
-        props = vk.vkGetPhysicalDeviceProperties(pd)
+    for index, (_, props) in enumerate(inst.physical_devices()):
         out.append((index, props.deviceName, _DEVICE_TYPE_NAME.get(props.deviceType, "?")))
     return out
 
@@ -170,8 +172,7 @@ def _check_selector(selector):
 
 def _select(physical_devices, selector):
     described = []
-    for index, pd in enumerate(physical_devices):
-        props = vk.vkGetPhysicalDeviceProperties(pd)
+    for index, (pd, props) in enumerate(physical_devices):
         described.append((index, pd, props.deviceName, props.deviceType))
     if not described:
         raise DeviceSelectionError("no Vulkan device found (is a Vulkan driver installed? Debian: mesa-vulkan-drivers)")
