@@ -1,0 +1,47 @@
+"""tools/profile_moe: the split path's phases are named by what the plan puts in each dispatch (the activation
+moves to the down dispatch with stage3_in_down; direct mode has no routing pass), and the tool runs end to end."""
+import importlib.machinery
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOL = os.path.join(ROOT, "tools", "profile_moe")
+
+
+def _tool_module():
+    loader = importlib.machinery.SourceFileLoader("profile_moe_tool", TOOL)
+    spec = importlib.util.spec_from_loader(loader.name, loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("direct, in_down, expected", [
+    (True, True, ["gate/up GEMM with its own stage 1", "activation + down GEMM + output"]),
+    (True, False, ["gate/up GEMM with its own stage 1 + activation", "down GEMM + output"]),
+    (False, True, ["route + stage 1 (gather + had_in)", "gate/up GEMM", "activation + down GEMM + output"]),
+    (False, False, ["route + stage 1 (gather + had_in)", "gate/up GEMM + activation", "down GEMM + output"]),
+])
+def test_phase_names_follow_the_plan(direct, in_down, expected):
+    plan = SimpleNamespace(direct=direct, stage3_in_down=in_down)
+    assert _tool_module().phase_names(plan) == expected
+
+
+def test_the_tool_names_and_times_each_phase_of_the_plan_it_ran():
+    out = subprocess.run([sys.executable, TOOL, "--shape", "small", "--m", "1,16", "--iters", "2"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    lines = [line for line in out.stdout.splitlines() if "split total" in line]
+    assert len(lines) == 2, out.stdout
+    for line in lines:
+        total = float(re.search(r"split total\s+([\d.]+) us", line).group(1))
+        phases = [float(v) for v in re.findall(r" ([\d.]+)(?= \||$)", line.split(" us | ", 1)[1])]
+        assert len(phases) in (2, 3) and all(v > 0 for v in phases), line
+        assert total > 0 and abs(sum(phases) - total) <= 0.1 * total, line
+        assert ("activation" in line) and line.count("activation") == 1, line
