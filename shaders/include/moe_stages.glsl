@@ -721,45 +721,46 @@ void moe_down(uint item) {
 // Direct mode: the last of all (slot, k-split) arrivals of token t's band applies each slot's output Hadamard,
 // routing weight and svh and sums the slots in slot order into out_h: the same arithmetic as moe_stage5, in one
 // reduction level instead of a tail per slot and then a token sum after a second counter (that second level cost
-// 5.2 us of the 17.8 us down phase of the Qwen3 shape at m = 1 on the H200: BENCHMARKS.md). The slots of a pass
-// are summed across rows, so it runs the shared-memory transform (4 rows of had_buf) whatever HAD_SUBGROUP says:
-// the same bits either way (hadamard128.glsl). Each invocation holds 2 elements of a pass (4 rows x 128 columns),
-// and their routing weights and svh are requested with their partials, before the transform.
+// 5.2 us of the 17.8 us down phase of the Qwen3 shape at m = 1 on the H200: BENCHMARKS.md). Slot s0 + had_row() of
+// a pass is a pass row, so with the subgroup transform all 8 slots of a top-8 token are one pass without a barrier;
+// the slot sum then goes through had_buf, HAD_SHARED_ROWS rows at a time. (It ran the shared-memory transform on 4
+// slots per pass before: about 22 workgroup barriers per band at top-8, on the critical path of every decode step.)
 void moe_stage5_token(uint t, uint band) {
-    uint tid = gl_LocalInvocationID.x;
+    uint tid = gl_LocalInvocationID.x, h0 = band * 128u + had_col0();
     float acc = 0.0;  // invocations < 128: column band * 128 + tid
-    for (uint s0 = 0u; s0 < pc.top_k; s0 += 4u) {  // 4 slots per pass (had rows)
-        bool live[2];
-        float w16[2], sv[2];
-        [[unroll]] for (uint h = 0u; h < 2u; ++h) {
-            uint i = tid + h * WG_SIZE, rr = i >> 7, col = band * 128u + (i & 127u);
-            uint f = t * pc.top_k + min(s0 + rr, pc.top_k - 1u);
-            int e = expert_ids[f];
-            live[h] = s0 + rr < pc.top_k && valid_expert(e);  // else the element gives 0 and writes nothing
-            uint se = uint(live[h] ? e : 0) * pc.H + col;
-            w16[h] = rn16(expert_weights[f]);
-            sv[h] = f16_at(down_svh[se >> 1], se);
-            // every lane sums (split_sum's loop must not diverge)
-            float v = split_sum(partial_down() + f * pc.H + col, partial_rows() * pc.H, pc.splits_d);
-            had_buf[i] = live[h] ? rn16(v) : 0.0;  // fp16 GEMM output
+    for (uint s0 = 0u; s0 < pc.top_k; s0 += HAD_PASS_ROWS) {
+        uint rr = had_row(), f = t * pc.top_k + min(s0 + rr, pc.top_k - 1u);
+        int e = expert_ids[f];
+        bool live = s0 + rr < pc.top_k && valid_expert(e);  // else the row gives 0 and writes nothing
+        // The routing weight and svh are requested with the partials, before the transform (as stage 3)
+        uint se = uint(live ? e : 0) * pc.H + h0;
+        float w16 = rn16(expert_weights[f]), sv[HAD_MAX_VALS];
+        [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) sv[j] = f16_at(down_svh[(se + j) >> 1], se + j);
+        // every lane sums (split_sum's loop must not diverge); a dead slot's partials are never written: dropped
+        split_sum_had(partial_down() + f * pc.H + h0, partial_rows() * pc.H, pc.splits_d);
+        had_round_pairs();  // fp16 GEMM output
+        had_transform();
+        [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) {
+            float v = (had_v[j] * (HAD_SCALE * w16)) * sv[j];
+            had_v[j] = v;
+            // the (token, slot) rows too: forward_rows (a sharded layer) reads them
+            if (live) rows_out[f * pc.H + h0 + j] = v;
         }
-        barrier();
-        had_fwht(4u);
-        [[unroll]] for (uint h = 0u; h < 2u; ++h) {
-            uint i = tid + h * WG_SIZE, rr = i >> 7, col = band * 128u + (i & 127u), f = t * pc.top_k + s0 + rr;
-            if (live[h]) {
-                float v = (had_buf[i] * (HAD_SCALE * w16[h])) * sv[h];
-                had_buf[i] = v;
-                rows_out[f * pc.H + col] = v;  // the (token, slot) rows too: forward_rows (a sharded layer) reads them
+        // The slot sum: rows g .. g + HAD_SHARED_ROWS - 1 of the pass through had_buf, then added in slot order
+        for (uint g = 0u; g < HAD_PASS_ROWS && s0 + g < pc.top_k; g += HAD_SHARED_ROWS) {
+            if (rr >= g && rr < g + HAD_SHARED_ROWS) {
+                [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) had_buf[(rr - g) * 128u + had_col0() + j] = had_v[j];
             }
+            barrier();
+            if (tid < 128u) {
+                [[unroll]] for (uint r = 0u; r < HAD_SHARED_ROWS; ++r) {
+                    uint s = s0 + g + r;
+                    if (g + r < HAD_PASS_ROWS && s < pc.top_k && valid_expert(expert_ids[t * pc.top_k + s]))
+                        acc += had_buf[r * 128u + tid];
+                }
+            }
+            barrier();
         }
-        barrier();
-        if (tid < 128u) {
-            [[unroll]] for (uint rr = 0u; rr < 4u; ++rr)
-                if (s0 + rr < pc.top_k && valid_expert(expert_ids[t * pc.top_k + s0 + rr]))
-                    acc += had_buf[rr * 128u + tid];
-        }
-        barrier();
     }
     if (tid < 128u) out_h[t * pc.H + band * 128u + tid] = moe_out_value(t, band * 128u + tid, acc);
 }
