@@ -240,6 +240,8 @@ def test_shared_expert_gate_scales_shared_output(ckpts):
     block.shared_gate_weight = None
     ungated = block(hidden)
     assert _rms(gated - ungated) / _rms(ungated) > 0.05
+    block.shared_gate_weight = w  # the gate restored gives the gated output again
+    assert _rms(block(hidden) - gated) == 0.0
 
 
 def test_nemotron_h_gateless_relu2(ckpts):
