@@ -1,25 +1,17 @@
 """tools/profile_moe: the split path's phases are named by what the plan puts in each dispatch (the activation
 moves to the down dispatch with stage3_in_down; direct mode has no routing pass), and the tool runs end to end."""
-import importlib.machinery
-import importlib.util
 import os
 import re
+import runpy
 import subprocess
 import sys
 from types import SimpleNamespace
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOOL = os.path.join(ROOT, "tools", "profile_moe")
+from subproc import REPO, python_env
 
-
-def _tool_module():
-    loader = importlib.machinery.SourceFileLoader("profile_moe_tool", TOOL)
-    spec = importlib.util.spec_from_loader(loader.name, loader)
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    return module
+TOOL = os.path.join(REPO, "tools", "profile_moe")
 
 
 @pytest.mark.parametrize("direct, in_down, expected", [
@@ -30,12 +22,12 @@ def _tool_module():
 ])
 def test_phase_names_follow_the_plan(direct, in_down, expected):
     plan = SimpleNamespace(direct=direct, stage3_in_down=in_down)
-    assert _tool_module().phase_names(plan) == expected
+    assert runpy.run_path(TOOL, run_name="profile_moe")["phase_names"](plan) == expected
 
 
 def test_the_tool_names_and_times_each_phase_of_the_plan_it_ran():
-    out = subprocess.run([sys.executable, TOOL, "--shape", "small", "--m", "1,16", "--iters", "2"],
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run([sys.executable, TOOL, "--shape", "small", "--m", "1,16", "--iters", "2"], cwd=REPO,
+                         env=python_env(), capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     lines = [line for line in out.stdout.splitlines() if "split total" in line]
     assert len(lines) == 2, out.stdout
