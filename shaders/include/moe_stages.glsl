@@ -718,6 +718,19 @@ void moe_down(uint item) {
 #endif
 }
 
+// One pass row of a down tail, into had_v: the k-split sum of the row's down partials (from word `partial`, split
+// order) rounded to fp16 (the down GEMM output), the output Hadamard, then the routing weight (rounded to fp16) and
+// svh (from element se of down_svh). The weight and svh are requested with the partials, before the transform (as
+// in stage 3). Every lane calls it: split_sum's loop and the transform must not diverge.
+void stage5_row_out(uint partial, uint se, float weight) {
+    float w16 = rn16(weight), sv[HAD_MAX_VALS];
+    [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) sv[j] = f16_at(down_svh[(se + j) >> 1], se + j);
+    split_sum_had(partial, partial_rows() * pc.H, pc.splits_d);
+    had_round_pairs();
+    had_transform();
+    [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) had_v[j] = (had_v[j] * (HAD_SCALE * w16)) * sv[j];
+}
+
 // Direct mode: the last of all (slot, k-split) arrivals of token t's band applies each slot's output Hadamard,
 // routing weight and svh and sums the slots in slot order into out_h: the same arithmetic as moe_stage5, in one
 // reduction level instead of a tail per slot and then a token sum after a second counter (that second level cost
@@ -732,20 +745,11 @@ void moe_stage5_token(uint t, uint band) {
         uint rr = had_row(), f = t * pc.top_k + min(s0 + rr, pc.top_k - 1u);
         int e = expert_ids[f];
         bool live = s0 + rr < pc.top_k && valid_expert(e);  // else the row gives 0 and writes nothing
-        // The routing weight and svh are requested with the partials, before the transform (as stage 3)
-        uint se = uint(live ? e : 0) * pc.H + h0;
-        float w16 = rn16(expert_weights[f]), sv[HAD_MAX_VALS];
-        [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) sv[j] = f16_at(down_svh[(se + j) >> 1], se + j);
-        // every lane sums (split_sum's loop must not diverge); a dead slot's partials are never written: dropped
-        split_sum_had(partial_down() + f * pc.H + h0, partial_rows() * pc.H, pc.splits_d);
-        had_round_pairs();  // fp16 GEMM output
-        had_transform();
-        [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) {
-            float v = (had_v[j] * (HAD_SCALE * w16)) * sv[j];
-            had_v[j] = v;
-            // the (token, slot) rows too: forward_rows (a sharded layer) reads them
-            if (live) rows_out[f * pc.H + h0 + j] = v;
-        }
+        // a dead slot's partials are never written: summed all the same (every lane runs the pass), then dropped
+        stage5_row_out(partial_down() + f * pc.H + h0, uint(live ? e : 0) * pc.H + h0, expert_weights[f]);
+        // the (token, slot) rows too: forward_rows (a sharded layer) reads them
+        [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j)
+            if (live) rows_out[f * pc.H + h0 + j] = had_v[j];
         // The slot sum: rows g .. g + HAD_SHARED_ROWS - 1 of the pass through had_buf, then added in slot order
         for (uint g = 0u; g < HAD_PASS_ROWS && s0 + g < pc.top_k; g += HAD_SHARED_ROWS) {
             if (rr >= g && rr < g + HAD_SHARED_ROWS) {
@@ -772,15 +776,10 @@ void moe_stage5(uint e, uint p0, uint q0, uint nr, uint band) {
     uint tid = gl_LocalInvocationID.x, h0 = band * 128u + had_col0(), se = e * pc.H + h0;
     for (uint r0 = 0u; r0 < nr; r0 += HAD_PASS_ROWS) {
         uint r = r0 + had_row(), q = q0 + min(r, nr - 1u);  // every lane loops the same (see moe_stage3)
-        // The row's routing weight and svh are requested with its partials, before the transform (as stage 3)
         uint fidx = moe_row_flat(p0 + min(r, nr - 1u));
-        float w = rn16(expert_weights[fidx]), sv[HAD_MAX_VALS];
-        [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) sv[j] = f16_at(down_svh[(se + j) >> 1], se + j);
-        split_sum_had(partial_down() + q * pc.H + h0, partial_rows() * pc.H, pc.splits_d);
-        had_round_pairs();  // the fp16 down GEMM output
-        had_transform();
+        stage5_row_out(partial_down() + q * pc.H + h0, se, expert_weights[fidx]);
         [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j)
-            if (r < nr) rows_out[fidx * pc.H + h0 + j] = (had_v[j] * (HAD_SCALE * w)) * sv[j];
+            if (r < nr) rows_out[fidx * pc.H + h0 + j] = had_v[j];
     }
     // Every row of the chunk is written before any is counted: one round of arrivals and token sums per tail, not
     // one per Hadamard pass (each round is two device-scope barriers and a round trip through L2; per pass they
