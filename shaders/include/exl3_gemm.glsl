@@ -14,7 +14,7 @@
 // (a prototype is enough: the MoE defines gemm_a_word4 after this file, reading gemm_red for one of its sources)
 // and includes exl3_decode.glsl first. Optional: GEMM_AFTER_PREFETCH(a_src), called by the whole workgroup once
 // the first weight tiles are requested and before A is read (the persistent MoE kernel waits for its inputs
-// there; the MoE's direct mode builds its A row there).
+// there; the MoE's direct mode builds its A row there); GEMM_TILES_PER_STEP (below).
 
 #ifndef EXL3_GEMM_GLSL
 #define EXL3_GEMM_GLSL
@@ -41,6 +41,73 @@ void gemm_clear() {
     [[unroll]] for (int i = 0; i < GEMM_ROWS * 2; ++i) gemm_acc[i] = 0.0;
 }
 
+// The k-loop's tiles per step (the includer may define GEMM_TILES_PER_STEP 2; default 1). Each step decodes its
+// tiles while the next step's loads are in flight, so 2 x GEMM_TILES_PER_STEP tiles' loads per invocation are in
+// flight. More tiles per step cost registers: worth it where one workgroup per compute unit must hide the memory
+// latency by itself (the persistent kernel), not where several workgroups per compute unit already do (the split
+// dispatches, the linear): BENCHMARKS.md, thirty-third session. Three spilled to local memory at 16 rows. Each
+// tile's words are a named array: a 2D array of tiles went to local memory on the H100 (thirty-second session).
+#ifndef GEMM_TILES_PER_STEP
+#define GEMM_TILES_PER_STEP 1
+#endif
+#if GEMM_TILES_PER_STEP != 1 && GEMM_TILES_PER_STEP != 2
+#error "GEMM_TILES_PER_STEP must be 1 or 2"
+#endif
+
+// Request this lane's words of the tile at trellis word `base` (and, for the fp32 decode, the word before them).
+void gemm_load_tile(int b_src, int K, uint base, uint first, uint prev_index, inout uint words[8], inout uint prev) {
+    gemm_load_lane(b_src, K, base + first, words);
+#ifndef EXL3_F16
+    prev = gemm_b_word(b_src, base + prev_index);
+#endif
+}
+
+// Decode this lane's 32 values of k-tile kt from its words and add their products with rows r < nr of A into
+// gemm_acc (nr = 0: decoded, nothing added; the caller's loops stay uniform).
+void gemm_tile(const int a_src, int K, const int cb, uint nr, uint kt, uint words[8], uint prev) {
+#ifdef EXL3_F16
+    // The word before this lane's words is the last word of the previous lane of the same tile (lane 7 for lane 0:
+    // the tail-biting wrap). The 8 lanes of a tile are 8 aligned consecutive subgroup invocations.
+    uint sid = gl_SubgroupInvocationID;
+    prev = subgroupShuffle(words[K - 1], (sid & ~7u) | ((sid + 7u) & 7u));
+    f16vec2 hv[16];
+    decode_lane_h(K, cb, words, prev, hv);
+#else
+    float vals[32];
+    decode_lane(K, cb, words, prev, vals);
+#endif
+    [[unroll]] for (int r = 0; r < GEMM_ROWS; ++r) {
+        if (uint(r) < nr) {
+            uint xa = gemm_row_base[r] + kt * 8u;
+            uvec4 xlo = gemm_a_word4(a_src, xa >> 2), xhi = gemm_a_word4(a_src, (xa >> 2) + 1u);
+            uint xw[8] = uint[8](xlo.x, xlo.y, xlo.z, xlo.w, xhi.x, xhi.y, xhi.z, xhi.w);
+#ifdef EXL3_F16
+            // fp16 products summed in fp16 within the tile (8 pairs per column), then folded into fp32.
+            f16vec2 h0 = f16vec2(0.0), h1 = f16vec2(0.0);
+            [[unroll]] for (int i = 0; i < 16; ++i) {
+                int j = 2 * i, wi = (j >> 3) + 4 * ((j >> 1) & 1);
+                f16vec2 x = unpackFloat2x16(xw[wi]);
+                if ((j & 4) == 0) h0 = fma(x, hv[i], h0);
+                else              h1 = fma(x, hv[i], h1);
+            }
+            gemm_acc[r * 2] += float(h0.x) + float(h0.y);
+            gemm_acc[r * 2 + 1] += float(h1.x) + float(h1.y);
+#else
+            float s0 = 0.0, s1 = 0.0;
+            // Positions j, j+1 hold k-rows (row, row+1) of the tile, packed in A word row/2.
+            [[unroll]] for (int j = 0; j < 32; j += 2) {
+                int wi = (j >> 3) + 4 * ((j >> 1) & 1);
+                vec2 x = unpackHalf2x16(xw[wi]);
+                if ((j & 4) == 0) s0 += x.x * vals[j] + x.y * vals[j + 1];
+                else              s1 += x.x * vals[j] + x.y * vals[j + 1];
+            }
+            gemm_acc[r * 2] += s0;
+            gemm_acc[r * 2 + 1] += s1;
+#endif
+        }
+    }
+}
+
 // Accumulate gemm_acc[r * 2 + c] for rows r < nr, this invocation's two columns c, over its k-tiles.
 // Row r of A starts at gemm_row_base[r] (uint words; a row of k fp16 values is k/2 words, a multiple of 64, so
 // gemm_row_base[r] + 8 kt is 32-byte aligned); b_base in uint words.
@@ -52,73 +119,38 @@ void gemm_accumulate(const int a_src, int b_src, int K, const int cb, uint nr,
     uint tile_words = 8u * uint(K);
     uint first = uint(K) * q;                       // this lane's first word inside the tile
     uint prev_index = (first + tile_words - 1u) % tile_words;
-    // The next tile's words are loaded before this tile is decoded, so two tiles' loads are in flight: decode is
-    // cheap next to a memory round trip, and a k-slice has only a few tiles per invocation at small batch sizes.
+    // The next step's tiles are loaded before this step's are decoded: decode is cheap next to a memory round trip,
+    // and a k-slice has only a few tiles per invocation at small batch sizes. Slot tiles kt, kt + 4, ...
+    const uint step = 4u * uint(GEMM_TILES_PER_STEP);
     uint kt = kt0 + (slot >> 3);
-    uint next[8], next_prev = 0u;
-    if (kt < kt1) {
-        uint base = b_base + (kt * tiles_n + nt) * tile_words;
-        gemm_load_lane(b_src, K, base + first, next);
-#ifndef EXL3_F16
-        next_prev = gemm_b_word(b_src, base + prev_index);
+    uint next_a[8], prev_a = 0u;
+    if (kt < kt1) gemm_load_tile(b_src, K, b_base + (kt * tiles_n + nt) * tile_words, first, prev_index, next_a, prev_a);
+#if GEMM_TILES_PER_STEP >= 2
+    uint next_b[8] = uint[8](0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u), prev_b = 0u;
+    if (kt + 4u < kt1)
+        gemm_load_tile(b_src, K, b_base + ((kt + 4u) * tiles_n + nt) * tile_words, first, prev_index, next_b, prev_b);
 #endif
-    }
 #ifdef GEMM_AFTER_PREFETCH
     // The includer's preparation of A (the persistent MoE kernel's wait for the previous stage, or the direct
-    // mode's stage 1): the first tile's weight loads above are already in flight, and weights depend on nothing.
+    // mode's stage 1): the first step's weight loads above are already in flight, and weights depend on nothing.
     GEMM_AFTER_PREFETCH(a_src);
 #endif
-    for (; kt < kt1; kt += 4u) {
-        uint words[8] = next;
-        uint prev = next_prev;
-        if (kt + 4u < kt1) {
-            uint base = b_base + ((kt + 4u) * tiles_n + nt) * tile_words;
-            gemm_load_lane(b_src, K, base + first, next);
-#ifndef EXL3_F16
-            next_prev = gemm_b_word(b_src, base + prev_index);
+    for (; kt < kt1; kt += step) {
+        uint words_a[8] = next_a, pa = prev_a;
+        if (kt + step < kt1)
+            gemm_load_tile(b_src, K, b_base + ((kt + step) * tiles_n + nt) * tile_words, first, prev_index, next_a, prev_a);
+#if GEMM_TILES_PER_STEP >= 2
+        uint words_b[8] = next_b, pb = prev_b;
+        if (kt + step + 4u < kt1)
+            gemm_load_tile(b_src, K, b_base + ((kt + step + 4u) * tiles_n + nt) * tile_words, first, prev_index,
+                           next_b, prev_b);
 #endif
-        }
-#ifdef EXL3_F16
-        // The word before this lane's words is the last word of the previous lane of the same tile (lane 7 for
-        // lane 0: the tail-biting wrap). The 8 lanes of a tile are 8 aligned consecutive subgroup invocations.
-        uint sid = gl_SubgroupInvocationID;
-        prev = subgroupShuffle(words[K - 1], (sid & ~7u) | ((sid + 7u) & 7u));
-        f16vec2 hv[16];
-        decode_lane_h(K, cb, words, prev, hv);
-#else
-        float vals[32];
-        decode_lane(K, cb, words, prev, vals);
+        gemm_tile(a_src, K, cb, nr, kt, words_a, pa);
+        // A step's later tiles past the slot's last one are decoded (zeros) but not added: no branch around the
+        // tile's loops (Mesa 22.3's rule on loops beside barriers, hadamard128.glsl).
+#if GEMM_TILES_PER_STEP >= 2
+        gemm_tile(a_src, K, cb, kt + 4u < kt1 ? nr : 0u, kt + 4u, words_b, pb);
 #endif
-        [[unroll]] for (int r = 0; r < GEMM_ROWS; ++r) {
-            if (uint(r) < nr) {
-                uint xa = gemm_row_base[r] + kt * 8u;
-                uvec4 xlo = gemm_a_word4(a_src, xa >> 2), xhi = gemm_a_word4(a_src, (xa >> 2) + 1u);
-                uint xw[8] = uint[8](xlo.x, xlo.y, xlo.z, xlo.w, xhi.x, xhi.y, xhi.z, xhi.w);
-#ifdef EXL3_F16
-                // fp16 products summed in fp16 within the tile (8 pairs per column), then folded into fp32.
-                f16vec2 h0 = f16vec2(0.0), h1 = f16vec2(0.0);
-                [[unroll]] for (int i = 0; i < 16; ++i) {
-                    int j = 2 * i, wi = (j >> 3) + 4 * ((j >> 1) & 1);
-                    f16vec2 x = unpackFloat2x16(xw[wi]);
-                    if ((j & 4) == 0) h0 = fma(x, hv[i], h0);
-                    else              h1 = fma(x, hv[i], h1);
-                }
-                gemm_acc[r * 2] += float(h0.x) + float(h0.y);
-                gemm_acc[r * 2 + 1] += float(h1.x) + float(h1.y);
-#else
-                float s0 = 0.0, s1 = 0.0;
-                // Positions j, j+1 hold k-rows (row, row+1) of the tile, packed in A word row/2.
-                [[unroll]] for (int j = 0; j < 32; j += 2) {
-                    int wi = (j >> 3) + 4 * ((j >> 1) & 1);
-                    vec2 x = unpackHalf2x16(xw[wi]);
-                    if ((j & 4) == 0) s0 += x.x * vals[j] + x.y * vals[j + 1];
-                    else              s1 += x.x * vals[j] + x.y * vals[j + 1];
-                }
-                gemm_acc[r * 2] += s0;
-                gemm_acc[r * 2 + 1] += s1;
-#endif
-            }
-        }
     }
 }
 
