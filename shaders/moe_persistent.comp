@@ -25,10 +25,9 @@
 #define MOE_ROUTE
 #define ROUTE_MAX_E 256   // keeps this kernel inside the 16 KiB of shared memory Vulkan guarantees
 #define MOE_DEPENDENCY_WAITS
-// One workgroup per compute unit hides the weights' memory latency only with more loads in flight per invocation:
-// two k-tiles per step of the GEMM k-loop (exl3_gemm.glsl). The split dispatches keep one (BENCHMARKS.md, thirty-third
-// session, H100: two took the Qwen3 shape's persistent kernel at m = 4 from 74.5 to 68.5 us, and split from 64.9 to
-// 71.7 when its dispatches had them too).
+// Two k-tiles per step of the GEMM k-loop (exl3_gemm.glsl): 4 tiles' loads in flight per invocation instead of 2.
+// Faster here, slower in the split dispatches, which keep one (BENCHMARKS.md, thirty-third session, H100: the Qwen3
+// shape at m = 4, persistent 74.5 -> 68.5 us; split 64.9 -> 71.7 when its dispatches had two as well).
 #define GEMM_TILES_PER_STEP 2
 layout(local_size_x = 256) in;
 #include "moe_bindings.glsl"

@@ -43,9 +43,9 @@ void gemm_clear() {
 
 // The k-loop's tiles per step (the includer may define GEMM_TILES_PER_STEP 2; default 1). Each step decodes its
 // tiles while the next step's loads are in flight, so 2 x GEMM_TILES_PER_STEP tiles' loads per invocation are in
-// flight. More tiles per step cost registers: worth it where one workgroup per compute unit must hide the memory
-// latency by itself (the persistent kernel), not where several workgroups per compute unit already do (the split
-// dispatches, the linear): BENCHMARKS.md, thirty-third session. Three spilled to local memory at 16 rows. Each
+// flight. Measured, two pay in the persistent kernel and not in the split dispatches or the linear, with the same
+// workgroups per SM (BENCHMARKS.md, thirty-third session, H100: two in every GEMM took the Qwen3 shape at m = 4
+// from 74.5 to 65.0 us persistent and from 64.9 to 71.7 split); three spilled to local memory at 16 rows. Each
 // tile's words are a named array: a 2D array of tiles went to local memory on the H100 (thirty-second session).
 #ifndef GEMM_TILES_PER_STEP
 #define GEMM_TILES_PER_STEP 1
