@@ -170,6 +170,35 @@ def test_linear_plans_keep_to_one_round(device, monkeypatch):
     assert ops_plan.gemm_plan(device, 1, 7168, 2048, target_workgroups=396).splits == (23 if whole_steps else 24)
 
 
+def test_routed_k_ranges_are_whole_steps_where_the_driver_has_the_loop_cap(device, monkeypatch):
+    """ops.plan._phase_splits: on Mesa 22.3 (the driver with the loop cap) routed MoE k-ranges are whole 4-tile steps,
+    as direct ones everywhere (a routed down range of 6 tiles gave NaN there: test_persistent.py's odd-step test);
+    elsewhere they keep their tiles. Forced splits and the plan's own both."""
+    for name in ("VKMOE_MOE_SPLITS", "VKMOE_MOE_ROWS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("VKMOE_COOPMAT", "off")
+    monkeypatch.setenv("VKMOE_MOE_DIRECT", "off")
+
+    def kts(m, top_k, H, I, splits=None):
+        if splits:
+            monkeypatch.setenv("VKMOE_MOE_SPLITS", splits)
+        else:
+            monkeypatch.delenv("VKMOE_MOE_SPLITS", raising=False)
+        p = ops_plan.moe_plan(device, m, top_k, 8, H, I, True, target_workgroups=6)
+        assert not p.direct and p.splits_gu * p.kt_gu >= H // 16 and p.splits_d * p.kt_d >= I // 16, p
+        return p.kt_gu, p.kt_d
+
+    monkeypatch.setitem(device.quirks, "loop_iteration_cap", 65536)
+    # 3 down splits of I = 256 (16 tiles) would be 6 tiles; the plan's own for one chunk of 2 bands too
+    assert kts(40, 4, 384, 256, "3,3") == (8, 8)
+    assert kts(40, 4, 384, 256, "4,4") == (8, 4)
+    assert kts(1, 1, 256, 256) == (8, 8)
+    monkeypatch.delitem(device.quirks, "loop_iteration_cap")
+    assert kts(40, 4, 384, 256, "3,3") == (8, 6)
+    assert kts(40, 4, 384, 256, "4,4") == (6, 4)
+    assert kts(1, 1, 256, 256) == (8, 6)
+
+
 def test_routed_persistent_layers_exist():
     assert ROUTED_PERSISTENT <= {os.path.basename(p) for p in golden_files()}
 

@@ -13,9 +13,11 @@ import numpy as np
 import pytest
 
 import vkmoe
-from goldens import golden_files, load_layer, poison_scratch, same_bits
+from goldens import golden_files, load_layer, poison_scratch, rel_rms, same_bits
 from vkmoe import layout
+from vkmoe.exl3 import reference
 from vkmoe.ops import kernels
+from vkmoe.ops import plan as ops_plan
 from vkmoe.sched import plan as sched_plan
 from vkmoe.sched import residency
 from subproc import python_env
@@ -90,6 +92,41 @@ def test_persistent_matches_split_with_new_inputs_every_call(device, monkeypatch
             # the transform asked for ran
             spec = moe._persistent_pipeline(moe._scratch_for(m, 4).plan).spec
             assert spec[layout.SPEC_HAD_SUBGROUP] == kernels.hadamard_subgroup(device)
+
+
+# (VKMOE_MOE_DIRECT, VKMOE_MOE_SPLITS, m, the plan's (kt_gu, kt_d)) of a layer with hidden 384 (24 k-tiles) and
+# intermediate 256 (16): a slot of the GEMM core takes every 4th tile of its item's k-range, so these ranges give
+# every slot 3 and 1 tiles (direct, and routed), 2 and a mix of 2 and 1 (routed, kt 6), a mix and 1 (routed). On
+# Mesa 22.3 routed ranges are whole 4-tile steps too (ops.plan._phase_splits): 6 becomes 8 there.
+ODD_STEPS = [("on", "2,4", 3, (12, 4)), ("off", "2,4", 40, (12, 4)), ("off", "3,3", 40, (8, 6)),
+             ("off", "4,4", 40, (6, 4))]
+
+
+@pytest.mark.parametrize("direct,splits,m,kts", ODD_STEPS, ids=lambda v: str(v))
+def test_persistent_k_loop_past_a_slots_last_tile(device, monkeypatch, direct, splits, m, kts):
+    """The persistent kernel's k-loop steps two tiles at a time (GEMM_TILES_PER_STEP in moe_persistent.comp), the
+    split dispatches' one: where a slot's tiles are odd in number, a step's second tile lies past the slot's range
+    and must be decoded but not added. Persistent must give split's bits and the float64 reference's values."""
+    monkeypatch.setenv("VKMOE_MOE_DIRECT", direct)
+    monkeypatch.setenv("VKMOE_MOE_SPLITS", splits)
+    monkeypatch.setenv("VKMOE_COOPMAT", "off")  # the cooperative-matrix stages are split's alone
+    if device.quirks.get("loop_iteration_cap"):
+        kts = tuple(ops_plan.direct_kt(kt) for kt in kts)
+    gate, up, down = vkmoe.random_moe_layer(hidden=384, intermediate=256, experts=8, bits=4, seed=5)
+    rng = np.random.default_rng(m)
+    x = rng.standard_normal((m, 384)).astype(np.float16)
+    ids, w = vkmoe.random_routing(m=m, experts=8, top_k=4, seed=m)
+    with vkmoe.Exl3MoeMlp(device, gate, up, down) as moe:
+        moe(-x, np.roll(ids, 1, axis=0), w, dispatch="split")  # plans the shape, fills its scratch: then poisoned
+        poison_scratch(moe)
+        persistent = moe(x, ids, w, dispatch="persistent")
+        run = moe.last_run
+        assert run["mode"] == "persistent" and run["fallback_reason"] is None, run
+        assert run["plan"]["direct"] is (direct == "on") and (run["plan"]["kt_gu"], run["plan"]["kt_d"]) == kts, run
+        split = moe(x, ids, w, dispatch="split")
+    assert np.isfinite(persistent).all()
+    assert same_bits(persistent, split)
+    assert rel_rms(persistent, reference.moe_forward(x, ids, w, gate, up, down)) < 3e-3
 
 
 @pytest.mark.parametrize("direct", ["on", "off"])

@@ -322,11 +322,16 @@ def moe_plan(device, m, top_k, E, H, I, gated, target_workgroups=None):
 def _phase_splits(device, tiles_k, items, target, forced, direct, step, direct_max_kt, forced_max_kt):
     """(splits, k-tiles per split) of one GEMM phase of k = tiles_k tiles: direct mode's rule (_direct_splits,
     k-ranges of at most direct_max_kt tiles) unless forced; otherwise _splits in k-steps of `step` tiles (at most
-    forced_max_kt per split), a direct-mode range rounded up to whole 4-tile steps (_whole_steps)."""
+    forced_max_kt per split), rounded up to whole 4-tile steps (_whole_steps) in direct mode and, on Mesa 22.3's
+    lavapipe (the driver with the loop cap), in routed mode too: there a routed down k-range of 6 tiles (H 384, I 256,
+    m = 40, 3 k-splits) gave NaN on the split path and wrong rows on the persistent one (its items run barriers
+    before the k-loop, whose slots then ran 2 or 1 iterations: the rule of direct_kt); Mesa 25 ran it right."""
     if direct and forced is None:
         return _direct_splits(device, tiles_k, items, target, direct_max_kt)
     splits, kt = _splits(device, tiles_k // step, items, target, forced, max_kt=forced_max_kt)
-    return _whole_steps(tiles_k, kt) if direct else (splits, kt)
+    if direct or (step == 1 and device.quirks.get("loop_iteration_cap")):  # (coop steps are whole 4-tile steps)
+        return _whole_steps(tiles_k, kt)
+    return splits, kt
 
 
 def _moe_plan(device, m, top_k, E, H, I, gated, target_workgroups, coop, direct):
