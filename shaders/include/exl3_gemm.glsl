@@ -124,7 +124,8 @@ void gemm_accumulate(const int a_src, int b_src, int K, const int cb, uint nr,
     const uint step = 4u * uint(GEMM_TILES_PER_STEP);
     uint kt = kt0 + (slot >> 3);
     uint next_a[8], prev_a = 0u;
-    if (kt < kt1) gemm_load_tile(b_src, K, b_base + (kt * tiles_n + nt) * tile_words, first, prev_index, next_a, prev_a);
+    if (kt < kt1)
+        gemm_load_tile(b_src, K, b_base + (kt * tiles_n + nt) * tile_words, first, prev_index, next_a, prev_a);
 #if GEMM_TILES_PER_STEP >= 2
     uint next_b[8] = uint[8](0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u), prev_b = 0u;
     if (kt + 4u < kt1)
@@ -138,7 +139,8 @@ void gemm_accumulate(const int a_src, int b_src, int K, const int cb, uint nr,
     for (; kt < kt1; kt += step) {
         uint words_a[8] = next_a, pa = prev_a;
         if (kt + step < kt1)
-            gemm_load_tile(b_src, K, b_base + ((kt + step) * tiles_n + nt) * tile_words, first, prev_index, next_a, prev_a);
+            gemm_load_tile(b_src, K, b_base + ((kt + step) * tiles_n + nt) * tile_words, first, prev_index,
+                           next_a, prev_a);
 #if GEMM_TILES_PER_STEP >= 2
         uint words_b[8] = next_b, pb = prev_b;
         if (kt + step + 4u < kt1)
@@ -146,8 +148,8 @@ void gemm_accumulate(const int a_src, int b_src, int K, const int cb, uint nr,
                            next_b, prev_b);
 #endif
         gemm_tile(a_src, K, cb, nr, kt, words_a, pa);
-        // A step's later tiles past the slot's last one are decoded (zeros) but not added: no branch around the
-        // tile's loops (Mesa 22.3's rule on loops beside barriers, hadamard128.glsl).
+        // A step's second tile past the slot's last one is decoded (from whatever words next_b holds) but not added:
+        // no branch around the tile's loops (Mesa 22.3's rule on loops beside barriers, hadamard128.glsl).
 #if GEMM_TILES_PER_STEP >= 2
         gemm_tile(a_src, K, cb, kt + 4u < kt1 ? nr : 0u, kt + 4u, words_b, pb);
 #endif
