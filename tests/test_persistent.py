@@ -102,11 +102,25 @@ ODD_STEPS = [("on", "2,4", 3, (12, 4)), ("off", "2,4", 40, (12, 4)), ("off", "3,
              ("off", "4,4", 40, (6, 4))]
 
 
-@pytest.mark.parametrize("direct,splits,m,kts", ODD_STEPS, ids=lambda v: str(v))
-def test_persistent_k_loop_past_a_slots_last_tile(device, monkeypatch, direct, splits, m, kts):
+# Every case in the packed-fp16 build (what both lavapipes and the GPUs measured run); the routed ones (odd and mixed
+# tiles per slot, one batch shape: one more persistent pipeline per build) in the fp32 builds, whose tiles load
+# their wrap word instead of shuffling it. (No other test runs the persistent kernel in those builds.)
+ODD_STEP_CASES = [("f16",) + case for case in ODD_STEPS] + [(build,) + case for build in ("idot", "")
+                                                             for case in ODD_STEPS if case[0] == "off"]
+
+
+@pytest.mark.parametrize("build,direct,splits,m,kts", ODD_STEP_CASES,
+                         ids=lambda v: str(v) or "portable")
+def test_persistent_k_loop_past_a_slots_last_tile(device, monkeypatch, build, direct, splits, m, kts):
     """The persistent kernel's k-loop steps two tiles at a time (GEMM_TILES_PER_STEP in moe_persistent.comp), the
     split dispatches' one: where a slot's tiles are odd in number, a step's second tile lies past the slot's range
-    and must be decoded but not added. Persistent must give split's bits and the float64 reference's values."""
+    and must be decoded but not added. Persistent must give split's bits and the float64 reference's values, in
+    every decode build (the fp16 one takes a tile's wrap word by subgroup shuffle, the others load it)."""
+    if build and not kernels.uses_idot(device):
+        pytest.skip("the device has no integer dot product")
+    if build == "f16" and kernels.decode_variant(device) != "f16":
+        pytest.skip("the device does not run the packed-fp16 build (or VKMOE_DECODE=fp32)")
+    monkeypatch.setattr(kernels, "decode_variant", lambda dev: build)
     monkeypatch.setenv("VKMOE_MOE_DIRECT", direct)
     monkeypatch.setenv("VKMOE_MOE_SPLITS", splits)
     monkeypatch.setenv("VKMOE_COOPMAT", "off")  # the cooperative-matrix stages are split's alone
