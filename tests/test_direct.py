@@ -171,7 +171,7 @@ def test_linear_plans_keep_to_one_round(device, monkeypatch):
 
 
 def test_routed_k_ranges_are_whole_steps_where_the_driver_has_the_loop_cap(device, monkeypatch):
-    """ops.plan._phase_splits: on Mesa 22.3 (the driver with the loop cap) routed MoE k-ranges are whole 4-tile steps,
+    """ops.plan._slot_uniform: on Mesa 22.3 (the driver with the loop cap) routed MoE k-ranges are whole 4-tile steps,
     as direct ones everywhere (a routed down range of 6 tiles gave NaN there: test_persistent.py's odd-step test);
     elsewhere they keep their tiles. Forced splits and the plan's own both."""
     for name in ("VKMOE_MOE_SPLITS", "VKMOE_MOE_ROWS"):

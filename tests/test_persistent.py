@@ -97,7 +97,7 @@ def test_persistent_matches_split_with_new_inputs_every_call(device, monkeypatch
 # (VKMOE_MOE_DIRECT, VKMOE_MOE_SPLITS, m, the plan's (kt_gu, kt_d)) of a layer with hidden 384 (24 k-tiles) and
 # intermediate 256 (16): a slot of the GEMM core takes every 4th tile of its item's k-range, so these ranges give
 # every slot 3 and 1 tiles (direct, and routed), 2 and a mix of 2 and 1 (routed, kt 6), a mix and 1 (routed). On
-# Mesa 22.3 routed ranges are whole 4-tile steps too (ops.plan._phase_splits): 6 becomes 8 there.
+# Mesa 22.3 routed ranges are whole 4-tile steps too (ops.plan._slot_uniform): 6 becomes 8 there.
 ODD_STEPS = [("on", "2,4", 3, (12, 4)), ("off", "2,4", 40, (12, 4)), ("off", "3,3", 40, (8, 6)),
              ("off", "4,4", 40, (6, 4))]
 

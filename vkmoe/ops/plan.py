@@ -172,11 +172,10 @@ def gemm_plan(device, m, k, n, target_workgroups=None):
     """The linear's plan for m rows. One row (m = 1) runs in direct mode unless VKMOE_LINEAR_DIRECT=off: each
     GEMM workgroup builds the input Hadamard of its own k-range, so the op is one dispatch instead of two with a
     barrier between (same bits); its k-splits keep within DIRECT_MAX_KT tiles (the row's room in shared memory).
-    On Mesa 22.3's lavapipe (the driver with the loop cap) every k-range is whole 4-tile steps (direct_kt), so that
-    every slot of a workgroup runs the same number of k-loop iterations: with ranges of 43 or 86 tiles its direct
-    mode gave a wrong band in 36 of 40 calls (the k-loop's divergent exit after the direct row's barriers, as in
-    the MoE's direct mode; ranges of 16, 48, 64 and 128 tiles: 0 of 80; BENCHMARKS.md, twenty-eighth session).
-    Mesa 25 and the GPUs run uneven ranges right and keep them."""
+    On Mesa 22.3's lavapipe (the driver with the loop cap) every k-range is whole 4-tile steps (_slot_uniform):
+    with ranges of 43 or 86 tiles its direct mode gave a wrong band in 36 of 40 calls (the k-loop's divergent exit
+    after the direct row's barriers; ranges of 16, 48, 64 and 128 tiles: 0 of 80; BENCHMARKS.md, twenty-eighth
+    session)."""
     if use_coop(device, m):
         return _coop_plan(device, m, k, n, target_workgroups)
     rows = rows_for(m)
@@ -193,8 +192,8 @@ def gemm_plan(device, m, k, n, target_workgroups=None):
     # an estimate).
     splits, kt_per_split = _splits(device, tiles_k, bands * row_chunks, target_workgroups,
                                    max_kt=DIRECT_MAX_KT if direct else None, one_round=True)
-    if device.quirks.get("loop_iteration_cap"):  # (the caps above are multiples of 4: rounding keeps within them)
-        splits, kt_per_split = _whole_steps(tiles_k, kt_per_split)
+    # (the caps above are multiples of 4: rounding keeps within them)
+    splits, kt_per_split = _slot_uniform(device, tiles_k, splits, kt_per_split)
     return GemmPlan(rows, row_chunks, splits, kt_per_split, direct=direct)
 
 
@@ -319,19 +318,29 @@ def moe_plan(device, m, top_k, E, H, I, gated, target_workgroups=None):
     return _moe_plan(device, m, top_k, E, H, I, gated, target_workgroups, coop=coop, direct=False)
 
 
+def _slot_uniform(device, tiles_k, splits, kt, always=False):
+    """(splits, kt) of an FMA GEMM phase, its k-ranges rounded up to whole 4-tile steps (_whole_steps) where
+    `always` (direct mode) or on Mesa 22.3's lavapipe (the driver with the loop cap): then every slot of a workgroup
+    runs the same number of k-loop iterations, which that driver needs where barriers come before the k-loop
+    (direct_kt). Uneven ranges gave it wrong results: the linear's direct mode a wrong band with 43- and 86-tile
+    ranges (gemm_plan); a routed MoE down range of 6 tiles (H 384, I 256, m = 40, 3 k-splits) NaN on the split path
+    and wrong rows on the persistent one (thirty-third session). Mesa 25 and the GPUs run uneven ranges right and
+    keep them."""
+    if always or device.quirks.get("loop_iteration_cap"):
+        return _whole_steps(tiles_k, kt)
+    return splits, kt
+
+
 def _phase_splits(device, tiles_k, items, target, forced, direct, step, direct_max_kt, forced_max_kt):
     """(splits, k-tiles per split) of one GEMM phase of k = tiles_k tiles: direct mode's rule (_direct_splits,
     k-ranges of at most direct_max_kt tiles) unless forced; otherwise _splits in k-steps of `step` tiles (at most
-    forced_max_kt per split), rounded up to whole 4-tile steps (_whole_steps) in direct mode and, on Mesa 22.3's
-    lavapipe (the driver with the loop cap), in routed mode too: there a routed down k-range of 6 tiles (H 384, I 256,
-    m = 40, 3 k-splits) gave NaN on the split path and wrong rows on the persistent one (its items run barriers
-    before the k-loop, whose slots then ran 2 or 1 iterations: the rule of direct_kt); Mesa 25 ran it right."""
+    forced_max_kt per split), an FMA phase's ranges made slot-uniform (_slot_uniform: always in direct mode)."""
     if direct and forced is None:
         return _direct_splits(device, tiles_k, items, target, direct_max_kt)
     splits, kt = _splits(device, tiles_k // step, items, target, forced, max_kt=forced_max_kt)
-    if direct or (step == 1 and device.quirks.get("loop_iteration_cap")):  # (coop steps are whole 4-tile steps)
-        return _whole_steps(tiles_k, kt)
-    return splits, kt
+    if step != 1:  # cooperative-matrix steps: whole 4-tile steps already
+        return splits, kt
+    return _slot_uniform(device, tiles_k, splits, kt, always=direct)
 
 
 def _moe_plan(device, m, top_k, E, H, I, gated, target_workgroups, coop, direct):
