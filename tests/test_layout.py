@@ -145,9 +145,12 @@ def test_sizes_and_grids():
     Plan.stage3_in_down = True  # ...unless the down items read the gate/up partials (stage 3 in the down items)
     assert layout.scratch_bytes(Plan, H, I)["partial_split"] == size["partial"]
     Plan.stage3_in_down = False
-    route, gate_up, down = layout.split_grids(Plan, H, I, gated=True)
+    route, gate_up, down, token_sum = layout.split_grids(Plan, H, I, gated=True)
     assert route == (1 + layout.ceil_div(R * 3, layout.STAGE1_PAIRS_PER_ITEM), 1)
-    assert gate_up == (2 * 2 * 2, 9) and down == (3 * 3, 9)
+    assert gate_up == (2 * 2 * 2, 9) and down == (3 * 3, 9) and token_sum is None
+    Plan.token_sum_pass = True  # one invocation per output element
+    assert layout.split_grids(Plan, H, I, gated=True)[3] == (layout.ceil_div(Plan.m * H, 256), 1)
+    Plan.token_sum_pass = False
     assert layout.split_grids(Plan, H, I, gated=False)[1] == (2 * 2, 9)
     assert layout.fold_grid(70000) == (65535, 2)
     assert layout.linear_grid(Plan, 384) == (3, 2, 2)

@@ -14,14 +14,16 @@ from subproc import REPO, python_env
 TOOL = os.path.join(REPO, "tools", "profile_moe")
 
 
-@pytest.mark.parametrize("direct, in_down, expected", [
-    (True, True, ["gate/up GEMM with its own stage 1", "activation + down GEMM + output"]),
-    (True, False, ["gate/up GEMM with its own stage 1 + activation", "down GEMM + output"]),
-    (False, True, ["route + stage 1 (gather + had_in)", "gate/up GEMM", "activation + down GEMM + output"]),
-    (False, False, ["route + stage 1 (gather + had_in)", "gate/up GEMM + activation", "down GEMM + output"]),
+@pytest.mark.parametrize("direct, in_down, token_sum, expected", [
+    (True, True, False, ["gate/up GEMM with its own stage 1", "activation + down GEMM + output"]),
+    (True, False, False, ["gate/up GEMM with its own stage 1 + activation", "down GEMM + output"]),
+    (False, True, False, ["route + stage 1 (gather + had_in)", "gate/up GEMM", "activation + down GEMM + output"]),
+    (False, False, False, ["route + stage 1 (gather + had_in)", "gate/up GEMM + activation", "down GEMM + output"]),
+    (False, False, True, ["route + stage 1 (gather + had_in)", "gate/up GEMM + activation", "down GEMM + output",
+                          "token sums"]),
 ])
-def test_phase_names_follow_the_plan(direct, in_down, expected):
-    plan = SimpleNamespace(direct=direct, stage3_in_down=in_down)
+def test_phase_names_follow_the_plan(direct, in_down, token_sum, expected):
+    plan = SimpleNamespace(direct=direct, stage3_in_down=in_down, token_sum_pass=token_sum)
     assert runpy.run_path(TOOL, run_name="profile_moe")["phase_names"](plan) == expected
 
 

@@ -91,6 +91,7 @@ KNOBS = {k.name: k for k in (
     Knob("VKMOE_MOE_DIRECT", "auto", "auto, on or off", _choice("auto", "on", "off")),
     Knob("VKMOE_LINEAR_DIRECT", "auto", "auto or off", _choice("auto", "off")),
     Knob("VKMOE_MOE_STAGE3", "auto", "auto, down or gate_up", _choice("auto", "down", "gate_up")),
+    Knob("VKMOE_MOE_TOKEN_SUM", "auto", "auto, on or off", _choice("auto", "on", "off")),
     Knob("VKMOE_PERSISTENT_GRID", None, "a positive integer", _int_at_least(1)),
     Knob("VKMOE_PERSISTENT_WG_PER_CU", None, "a positive integer", _int_at_least(1)),
     Knob("VKMOE_PERSISTENT_MAX_M", None, "an integer >= 0", _int_at_least(0)),

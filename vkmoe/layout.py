@@ -39,6 +39,7 @@ SPEC_MOE_K_GATE, SPEC_MOE_K_UP, SPEC_MOE_K_DOWN, SPEC_MOE_CB, SPEC_MOE_ROWS, SPE
 SPEC_MOE_DIRECT = 6     # direct mode: every (token, slot) row its own chunk, no routing pass (moe_stages.glsl)
 SPEC_MOE_PACED_SPIN = 7  # moe_persistent.comp: whole-workgroup spins, for a driver with a loop cap (moe_spin_paced)
 SPEC_MOE_STAGE3_IN_DOWN = 8  # stage 3 run by each down item for its own k-range, into its shared memory (moe_stages.glsl)
+SPEC_MOE_TOKEN_SUM_PASS = 9  # the down tails write the (token, slot) rows only; moe_token_sum.comp sums the tokens
 # exl3_linear.comp and exl3_dequant.comp (the first two)
 SPEC_LINEAR_K, SPEC_LINEAR_CB, SPEC_LINEAR_ROWS, SPEC_LINEAR_HAS_BIAS, SPEC_LINEAR_DIRECT = 0, 1, 2, 3, 4
 SPEC_LINEAR_ACT_IN = 5  # exl3_linear.comp direct mode: x = act(gate, up) of a block's shared expert (ACT_*; -1: x)
@@ -236,11 +237,14 @@ def fold_grid(groups):
 
 
 def split_grids(plan, H, I, gated):
-    """The split path's three dispatches: routing (workgroup 0) + stage 1, gate/up (+3), down (+5); in direct mode
-    (plan.direct) the first is None: there is no routing pass and each gate/up item does its own stage 1."""
+    """The split path's dispatches: routing (workgroup 0) + stage 1, gate/up (+3), down (+5), the token sums; in
+    direct mode (plan.direct) the first is None: there is no routing pass and each gate/up item does its own stage
+    1; the last is None unless plan.token_sum_pass (else the down tails sum the tokens): one invocation per (token,
+    column) of the output."""
     return (None if getattr(plan, "direct", False) else fold_grid(1 + stage1_items(plan.m, plan.top_k, H)),
             (gate_up_items_per_chunk(I, gated, plan.splits_gu), plan.max_chunks),
-            (down_items_per_chunk(H, plan.splits_d), plan.max_chunks))
+            (down_items_per_chunk(H, plan.splits_d), plan.max_chunks),
+            fold_grid(ceil_div(plan.m * H, 256)) if getattr(plan, "token_sum_pass", False) else None)
 
 
 def linear_grid(plan, n):
@@ -285,7 +289,8 @@ def _defines():
         yield f"CB_{name.upper()}", str(value)
     for name in ("SPIN", "LOCK", "BARRIER"):
         yield f"ABORT_{name}", f"{globals()['ABORT_' + name]}u"
-    for name in ("K_GATE", "K_UP", "K_DOWN", "CB", "ROWS", "ACT", "DIRECT", "PACED_SPIN", "STAGE3_IN_DOWN"):
+    for name in ("K_GATE", "K_UP", "K_DOWN", "CB", "ROWS", "ACT", "DIRECT", "PACED_SPIN", "STAGE3_IN_DOWN",
+                 "TOKEN_SUM_PASS"):
         yield f"SPEC_MOE_{name}", str(globals()["SPEC_MOE_" + name])
     for name in ("K", "CB", "ROWS", "HAS_BIAS", "DIRECT", "ACT_IN"):
         yield f"SPEC_LINEAR_{name}", str(globals()["SPEC_LINEAR_" + name])

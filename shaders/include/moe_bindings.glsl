@@ -16,6 +16,10 @@ layout(constant_id = SPEC_MOE_DIRECT) const bool DIRECT = false;
 // Stage 3 in the down items (moe_stages.glsl, FMA builds only): the gate/up band tails only count their arrivals;
 // each down item applies stage 3 to the partials of its own k-range and multiplies from shared memory.
 layout(constant_id = SPEC_MOE_STAGE3_IN_DOWN) const bool STAGE3_IN_DOWN = false;
+// The token-sum pass (split path, routed plans): stage 5 writes each chunk's (token, slot) rows and nothing more;
+// a dispatch of its own (moe_token_sum.comp) then sums every token's rows, instead of each tail counting its rows'
+// arrivals and summing the tokens it completed.
+layout(constant_id = SPEC_MOE_TOKEN_SUM_PASS) const bool TOKEN_SUM_PASS = false;
 
 #define GATED (ACT != ACT_RELU2)
 

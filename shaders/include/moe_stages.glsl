@@ -769,6 +769,16 @@ void moe_stage5_token(uint t, uint band) {
     if (tid < 128u) out_h[t * pc.H + band * 128u + tid] = moe_out_value(t, band * 128u + tid, acc);
 }
 
+// Token t's output at column col: its valid slots' rows of rows_out summed in slot order (the same bits whichever
+// expert finished last), through moe_out_value. The last tail of the token's band runs it, or the token-sum pass.
+void moe_token_out(uint t, uint col) {
+    float v = 0.0;
+    [[unroll]] for (int s = 0; s < MAX_TOP_K; ++s)
+        if (uint(s) < pc.top_k && valid_expert(expert_ids[t * pc.top_k + uint(s)]))
+            v += rows_out[(t * pc.top_k + uint(s)) * pc.H + col];
+    out_h[t * pc.H + col] = moe_out_value(t, col, v);
+}
+
 // Rows of one chunk, one 128-band of H, HAD_PASS_ROWS per pass: the down output Hadamard, routing weight and svh
 // into each row's (token, slot) row of rows_out; then each row arrives at its token's band counter, and the last
 // slot of a token to arrive sums the token's rows.
@@ -781,6 +791,7 @@ void moe_stage5(uint e, uint p0, uint q0, uint nr, uint band) {
         [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j)
             if (r < nr) rows_out[fidx * pc.H + h0 + j] = had_v[j];
     }
+    if (TOKEN_SUM_PASS) return;  // moe_token_sum.comp sums the tokens after this dispatch
     // Every row of the chunk is written before any is counted: one round of arrivals and token sums per tail, not
     // one per Hadamard pass (each round is two device-scope barriers and a round trip through L2; per pass they
     // were most of the down phase at prefill sizes: BENCHMARKS.md, sixth session).
@@ -802,14 +813,7 @@ void moe_stage5(uint e, uint p0, uint q0, uint nr, uint band) {
     // number of workgroup strides, so every invocation runs the same trip count (Mesa 22.3, see above).
     for (uint i = tid; i < ((nr * 128u + WG_SIZE - 1u) / WG_SIZE) * WG_SIZE; i += WG_SIZE) {
         uint rr = i >> 7, col = band * 128u + (i & 127u);
-        if (rr < nr && s_token_done[rr] != 0u) {
-            uint t = moe_row_flat(p0 + rr) / pc.top_k;
-            float v = 0.0;  // slot order: the same bits whichever expert finished last
-            [[unroll]] for (int s = 0; s < MAX_TOP_K; ++s)
-                if (uint(s) < pc.top_k && valid_expert(expert_ids[t * pc.top_k + uint(s)]))
-                    v += rows_out[(t * pc.top_k + uint(s)) * pc.H + col];
-            out_h[t * pc.H + col] = moe_out_value(t, col, v);
-        }
+        if (rr < nr && s_token_done[rr] != 0u) moe_token_out(moe_row_flat(p0 + rr) / pc.top_k, col);
     }
     barrier();  // s_token_done is read before the next tail writes it
 }

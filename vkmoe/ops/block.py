@@ -232,9 +232,11 @@ class DeviceMoeBlock:
             # chain longer than the routed one (direct mode: two dispatches; act, down's Hadamard, down's GEMM)
             # so starts with the short activation alone instead of ending with the shared down GEMM alone.
             # Fused (the routed down adds the shared output): the shared chain ends one phase earlier, beside the
-            # routed gate/up, and the routed down runs alone.
-            tail = routed[-1:] if fused else []
-            routed = routed[:-1] if fused else routed
+            # routed gate/up, and the routed down runs alone. A token-sum pass (the routed plan's last dispatch, a
+            # short one) runs after both chains, so the shared down GEMM stays beside the routed down.
+            last_alone = fused or self.moe.split_token_sum_pass(m, self.top_k)
+            tail = routed[-1:] if last_alone else []
+            routed = routed[:-1] if last_alone else routed
             n = max(len(routed), len(rest))
             pad = lambda chain: [[]] * (n - len(chain)) + chain  # noqa: E731 (empty phases first)
             later = ahead + [r + sh for r, sh in zip(pad(routed), pad(rest))] + tail

@@ -61,7 +61,8 @@ def moe_spec(plan, bits, codebook, activation, persistent=False):
     return {layout.SPEC_MOE_K_GATE: bits["gate"] or bits["up"], layout.SPEC_MOE_K_UP: bits["up"],
             layout.SPEC_MOE_K_DOWN: bits["down"], layout.SPEC_MOE_CB: layout.CODEBOOKS[codebook],
             layout.SPEC_MOE_ROWS: plan.rows, layout.SPEC_MOE_ACT: ACTIVATIONS[activation],
-            layout.SPEC_MOE_DIRECT: plan.direct, layout.SPEC_MOE_STAGE3_IN_DOWN: in_down}
+            layout.SPEC_MOE_DIRECT: plan.direct, layout.SPEC_MOE_STAGE3_IN_DOWN: in_down,
+            layout.SPEC_MOE_TOKEN_SUM_PASS: plan.token_sum_pass and not persistent}
 
 
 def split_kernels(device, plan, spec, H, I, gated):
@@ -76,8 +77,9 @@ def split_kernels(device, plan, spec, H, I, gated):
                    (kernels.coop_moe_name(device, "down"), False, coop_spec))
     else:
         shaders = (("moe_route", False, spec), ("moe_gate_up", True, spec), ("moe_down", True, spec))
+    shaders += (("moe_token_sum", False, spec),)
     return [(stage, kernels.pipeline(device, shader, MoePush, s, decode=decode, binding_count=MOE_BINDINGS), grid)
-            for stage, (shader, decode, s), grid in zip(("route", "gate_up", "down"), shaders, grids)
+            for stage, (shader, decode, s), grid in zip(("route", "gate_up", "down", "token_sum"), shaders, grids)
             if grid is not None]
 
 
@@ -688,11 +690,12 @@ class Exl3MoeMlp:
 
     def split_stages(self, hidden_buf: "Buffer", ids_buf: "Buffer", weights_buf: "Buffer", out_buf: "Buffer",
                      m: int, top_k: int, shared=None):
-        """record(mode="split")'s dispatches (three, or two in direct mode) as separate steps, for a caller that
-        records independent work beside them (vkmoe.ops.block): functions(cmd) -> descriptor set, each recording
-        one dispatch and no barrier; the caller puts a barrier after each. Arguments and pinning as record(); m >= 1.
+        """record(mode="split")'s dispatches (three; two in direct mode; four with the token-sum pass) as separate
+        steps, for a caller that records independent work beside them (vkmoe.ops.block): functions(cmd) -> descriptor
+        set, each recording one dispatch and no barrier; the caller puts a barrier after each. Arguments and pinning
+        as record(); m >= 1.
         With `shared`, the shared output must be written before the first dispatch where the routing pass zeroes
-        the rows of tokens with no valid slot (three dispatches), else before the last."""
+        the rows of tokens with no valid slot (three or four dispatches), else before the last."""
         check_rows(m, minimum=1)
         self._check_record(hidden_buf, ids_buf, weights_buf, out_buf, m, top_k)
         shared_add = self._check_shared(shared, m)
@@ -707,6 +710,12 @@ class Exl3MoeMlp:
         with no valid slot are zeroed by the down dispatch)."""
         with self._call_lock:
             return self._scratch_for(check_rows(m, minimum=1), top_k).plan.direct
+
+    def split_token_sum_pass(self, m: int, top_k: int) -> bool:
+        """Whether split_stages for m tokens ends with the token-sum pass (a dispatch that only sums each token's
+        (token, slot) rows into the output: MoePlan.token_sum_pass)."""
+        with self._call_lock:
+            return self._scratch_for(check_rows(m, minimum=1), top_k).plan.token_sum_pass
 
     def decided_mode(self, m: int, top_k: int, dispatch=None) -> str:
         """"split" or "persistent": the mode vkmoe.sched picks now for a call of m tokens (for callers that record

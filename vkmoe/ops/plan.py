@@ -234,6 +234,9 @@ class MoePlan:
     # the persistent kernel
     stage3_in_down: bool = False
     stage3_in_down_persistent: bool = False
+    # the split path's down tails write the (token, slot) rows only and a fourth dispatch sums the tokens
+    # (SPEC_MOE_TOKEN_SUM_PASS, moe_token_sum.comp); the persistent kernel's tails always sum them
+    token_sum_pass: bool = False
 
     @property
     def R(self):
@@ -376,7 +379,15 @@ def _moe_plan(device, m, top_k, E, H, I, gated, target_workgroups, coop, direct)
         if fits(fewer[1]):
             splits_d, kt_d = fewer
     return MoePlan(m, top_k, rows, max_chunks, splits_gu, kt_gu * step, splits_d, kt_d * step, coop, direct,
-                   stage3_in_down=fits(kt_d), stage3_in_down_persistent=fits(kt_d) and in_down == "both")
+                   stage3_in_down=fits(kt_d), stage3_in_down_persistent=fits(kt_d) and in_down == "both",
+                   token_sum_pass=token_sum_pass(coop, direct))
+
+
+def token_sum_pass(coop, direct):
+    """Whether the split path sums the tokens in a dispatch of their own (VKMOE_MOE_TOKEN_SUM; auto: the
+    cooperative-matrix plans). Never in direct mode, whose down tails sum a token's slots in one pass."""
+    choice = knobs.get("VKMOE_MOE_TOKEN_SUM")
+    return not direct and (choice == "on" or (choice == "auto" and coop))
 
 
 # Stage 3 in the down items pays for each (chunk, 128-block of I) once per 128-band of H (every down item of the
