@@ -1,5 +1,6 @@
 """tools/profile_moe: the split path's phases are named by what the plan puts in each dispatch (the activation
 moves to the down dispatch with stage3_in_down; direct mode has no routing pass), and the tool runs end to end."""
+import json
 import os
 import re
 import runpy
@@ -27,9 +28,10 @@ def test_phase_names_follow_the_plan(direct, in_down, token_sum, expected):
     assert runpy.run_path(TOOL, run_name="profile_moe")["phase_names"](plan) == expected
 
 
-def test_the_tool_names_and_times_each_phase_of_the_plan_it_ran():
-    out = subprocess.run([sys.executable, TOOL, "--shape", "small", "--m", "1,16", "--iters", "2"], cwd=REPO,
-                         env=python_env(), capture_output=True, text=True, timeout=600)
+def test_the_tool_names_and_times_each_phase_of_the_plan_it_ran(tmp_path):
+    path = tmp_path / "profile.json"
+    out = subprocess.run([sys.executable, TOOL, "--shape", "small", "--m", "1,16", "--iters", "2", "--json", str(path)],
+                         cwd=REPO, env=python_env(), capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     lines = [line for line in out.stdout.splitlines() if "split total" in line]
     assert len(lines) == 2, out.stdout
@@ -39,3 +41,11 @@ def test_the_tool_names_and_times_each_phase_of_the_plan_it_ran():
         assert len(phases) in (2, 3) and all(v > 0 for v in phases), line
         assert total > 0 and abs(sum(phases) - total) <= 0.1 * total, line
         assert ("activation" in line) and line.count("activation") == 1, line
+    # --json: the figures printed, with the fields every docs/bench file keeps
+    doc = json.loads(path.read_text())
+    assert doc["tool"] == "profile_moe" and doc["device"]["name"] and doc["shape"]["name"] == "small" and doc["time"]
+    assert [r["m"] for r in doc["results"]] == [1, 16] and all(r["mode"] == "split" for r in doc["results"])
+    for line, r in zip(lines, doc["results"]):
+        assert f"{r['median_us']:8.1f}" in line and r["plan"]["m"] == r["m"], (line, r)
+        assert list(r["phases_median_us"]) == \
+            runpy.run_path(TOOL, run_name="profile_moe")["phase_names"](SimpleNamespace(**r["plan"]))
