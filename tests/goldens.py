@@ -167,3 +167,19 @@ def other_routing(call: dict, E: int, seed: int):
     rng = np.random.default_rng(seed)
     m, top_k = call["selected"].shape
     return np.stack([rng.permutation(E)[:top_k] for _ in range(m)])
+
+
+def calls_on_two_plans(device, layer: SimpleNamespace, settings, seed: int, first_call):
+    """For A/B tests of two plans that must give the same bits: yields (call, a, b) for each call of golden
+    `layer`, a and b two layers of it (made once, closed at the end), each of which first ran
+    first_call(moe, setting, x, ids, weights) with its own of the two `settings` on the call's shape, with other
+    routing (other_routing(seed)) and the input negated: that call fixes the layer's plan for the shape and
+    leaves other numbers in every buffer (poison) before the checked call."""
+    if not layer.calls:  # (a test looping over none would check nothing)
+        raise ValueError("a golden layer without calls")
+    with golden_moe(device, layer) as a, golden_moe(device, layer) as b:
+        for call in layer.calls:
+            other = other_routing(call, a.E, seed)
+            for moe, setting in zip((a, b), settings):
+                first_call(moe, setting, -call["x"], other, call["weights"])
+            yield call, a, b

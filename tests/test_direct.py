@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import vkmoe
-from goldens import (golden_files, golden_moe, load_layer, other_routing, reference_targets, rel_rms, run_golden_call,
-                     same_bits)
+from goldens import (calls_on_two_plans, golden_files, golden_moe, load_layer, reference_targets, rel_rms,
+                     run_golden_call, same_bits)
 from vkmoe import layout
 from vkmoe.ops import plan as ops_plan
 
@@ -38,20 +38,17 @@ def _run(moe, call, mode, direct):
 @pytest.mark.parametrize("path", golden_files(), ids=lambda p: os.path.basename(p)[:-4])
 def test_direct_mode_gives_the_routed_bits(device, monkeypatch, path):
     L = load_layer(path)
-    with golden_moe(device, L) as routed, golden_moe(device, L) as direct:
-        for call in L.calls:
-            other = other_routing(call, routed.E, 7)  # poison: a first call on it fills every buffer
-            for moe, setting in ((routed, "off"), (direct, "on")):
-                _first_call(monkeypatch, moe, setting, -call["x"], other, call["weights"])
-            want = _run(routed, call, "split", "off")
-            # direct persistent == direct split is test_persistent.py's golden test (auto runs these calls direct);
-            # here: direct split == routed split, and routed persistent too on a few layers (each is one more
-            # compile of the largest shader, slow on lavapipe)
-            assert same_bits(_run(direct, call, "split", "on"), want), f"direct{call['suffix']}"
-            if os.path.basename(path) in ROUTED_PERSISTENT:
-                assert same_bits(_run(routed, call, "persistent", "off"), want), call["suffix"]
-            ref = reference_targets(L, call)[0][1]
-            assert rel_rms(want, ref) < 3e-3
+    first = lambda moe, setting, *args: _first_call(monkeypatch, moe, setting, *args)  # noqa: E731
+    for call, routed, direct in calls_on_two_plans(device, L, ("off", "on"), 7, first):
+        want = _run(routed, call, "split", "off")
+        # direct persistent == direct split is test_persistent.py's golden test (auto runs these calls direct);
+        # here: direct split == routed split, and routed persistent too on a few layers (each is one more
+        # compile of the largest shader, slow on lavapipe)
+        assert same_bits(_run(direct, call, "split", "on"), want), f"direct{call['suffix']}"
+        if os.path.basename(path) in ROUTED_PERSISTENT:
+            assert same_bits(_run(routed, call, "persistent", "off"), want), call["suffix"]
+        ref = reference_targets(L, call)[0][1]
+        assert rel_rms(want, ref) < 3e-3
 
 
 def _record_run(device, moe, x, ids, w, mode):

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import vkmoe
-from goldens import (golden_files, golden_moe, load_layer, other_routing, reference_targets, rel_rms, run_golden_call,
-                     same_bits)
+from goldens import (calls_on_two_plans, golden_files, golden_moe, load_layer, reference_targets, rel_rms,
+                     run_golden_call, same_bits)
 from vkmoe import layout
 from vkmoe.ops import plan as ops_plan
 
@@ -38,19 +38,16 @@ def _plan_shape(monkeypatch, moe, stage3, direct, x, ids, w):
 @pytest.mark.parametrize("path", golden_files(), ids=lambda p: os.path.basename(p)[:-4])
 def test_stage3_in_the_down_items_gives_the_band_tails_bits(device, monkeypatch, path, direct):
     L = load_layer(path)
-    with golden_moe(device, L) as tails, golden_moe(device, L) as in_down:
-        for call in L.calls:
-            other = other_routing(call, tails.E, 11)  # poison: a first call on it fills every buffer
-            for moe, stage3 in ((tails, "gate_up"), (in_down, "down")):
-                _plan_shape(monkeypatch, moe, stage3, direct, -call["x"], other, call["weights"])
-            want = run_golden_call(tails, call, "split")
-            assert rel_rms(want, reference_targets(L, call)[0][1]) < 3e-3
-            modes = ("split", "persistent") if os.path.basename(path) in PERSISTENT else ("split",)
-            for mode in modes:
-                got = run_golden_call(in_down, call, mode)
-                assert same_bits(got, want), f"{mode}{call['suffix']}"
-            if os.path.basename(path) in PERSISTENT:  # the gate/up tails' persistent launch too
-                assert same_bits(run_golden_call(tails, call, "persistent"), want), call["suffix"]
+    first = lambda moe, stage3, *args: _plan_shape(monkeypatch, moe, stage3, direct, *args)  # noqa: E731
+    for call, tails, in_down in calls_on_two_plans(device, L, ("gate_up", "down"), 11, first):
+        want = run_golden_call(tails, call, "split")
+        assert rel_rms(want, reference_targets(L, call)[0][1]) < 3e-3
+        modes = ("split", "persistent") if os.path.basename(path) in PERSISTENT else ("split",)
+        for mode in modes:
+            got = run_golden_call(in_down, call, mode)
+            assert same_bits(got, want), f"{mode}{call['suffix']}"
+        if os.path.basename(path) in PERSISTENT:  # the gate/up tails' persistent launch too
+            assert same_bits(run_golden_call(tails, call, "persistent"), want), call["suffix"]
 
 
 def test_persistent_stage3_in_down_leaves_its_counters_reset(device, monkeypatch):

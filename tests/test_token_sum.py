@@ -9,7 +9,7 @@ import numpy as np
 
 import pytest
 
-from goldens import (golden_files, golden_moe, load_layer, other_routing, reference_targets, rel_rms, run_golden_call,
+from goldens import (calls_on_two_plans, golden_files, load_layer, reference_targets, rel_rms, run_golden_call,
                      same_bits)
 from vkmoe import layout
 from vkmoe.ops import moe as ops_moe
@@ -30,18 +30,15 @@ def _plan_shape(monkeypatch, moe, token_sum, x, ids, w):
 @pytest.mark.parametrize("path", golden_files(), ids=lambda p: os.path.basename(p)[:-4])
 def test_token_sum_pass_gives_the_tails_bits(device, monkeypatch, path):
     L = load_layer(path)
-    with golden_moe(device, L) as tails, golden_moe(device, L) as passed:
-        for call in L.calls:
-            other = other_routing(call, tails.E, 13)  # poison: a first call on it fills every buffer
-            for moe, token_sum in ((tails, "off"), (passed, "on")):
-                _plan_shape(monkeypatch, moe, token_sum, -call["x"], other, call["weights"])
-            want = run_golden_call(tails, call, "split")
-            assert rel_rms(want, reference_targets(L, call)[0][1]) < 3e-3
-            got = run_golden_call(passed, call, "split")
-            assert same_bits(got, want), call["suffix"]
-            # the persistent kernel of a plan with the pass sums in its tails (one dispatch): the same bits
-            if os.path.basename(path) == "a_tiny_silu_k4.npz":
-                assert same_bits(run_golden_call(passed, call, "persistent"), want), call["suffix"]
+    first = lambda moe, token_sum, *args: _plan_shape(monkeypatch, moe, token_sum, *args)  # noqa: E731
+    for call, tails, passed in calls_on_two_plans(device, L, ("off", "on"), 13, first):
+        want = run_golden_call(tails, call, "split")
+        assert rel_rms(want, reference_targets(L, call)[0][1]) < 3e-3
+        got = run_golden_call(passed, call, "split")
+        assert same_bits(got, want), call["suffix"]
+        # the persistent kernel of a plan with the pass sums in its tails (one dispatch): the same bits
+        if os.path.basename(path) == "a_tiny_silu_k4.npz":
+            assert same_bits(run_golden_call(passed, call, "persistent"), want), call["suffix"]
 
 
 def test_plan_takes_the_token_sum_pass_for_routed_split_plans(device, monkeypatch):
