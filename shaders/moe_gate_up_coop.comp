@@ -1,7 +1,8 @@
 #version 450
 // vkmoe-compiler: glslang
 // vkmoe-variants: idot=-DEXL3_IDOT emulate=-DCOOP_EMULATE
-// Split path, dispatch 2 of 3, on cooperative matrices (moe_stages.glsl with MOE_COOP): the gate/up GEMM; the last k-split of a band runs the activation (stage 3).
+// Split path, dispatch 2 of 4, on cooperative matrices (moe_stages.glsl with MOE_COOP): the gate/up GEMM; the last
+// k-split of a band runs the activation (stage 3).
 // Chunks of up to COOP_MOE_ROWS rows of one expert (the routing ran with GEMM_ROWS = that). Grid as in
 // moe_gate_up.comp. The emulate build replaces only the matrix-unit multiply (tests on devices without it).
 #extension GL_GOOGLE_include_directive : require  // implied by glslc, not by glslangValidator

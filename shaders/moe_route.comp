@@ -1,7 +1,7 @@
 #version 450
-// Split path, dispatch 1 of 3: routing prep (workgroup 0) beside stage 1, the gather + input Hadamard (all other
-// workgroups: stage 1 indexes rows by (token, slot), so it needs no routing result). Grid: 1 + an upper bound of
-// stage-1 items, as (x, y).
+// Split path, dispatch 1 of 3 (of 4 with the token-sum pass): routing prep (workgroup 0) beside stage 1, the
+// gather + input Hadamard (all other workgroups: stage 1 indexes rows by (token, slot), so it needs no routing
+// result). Grid: 1 + an upper bound of stage-1 items, as (x, y).
 #include "common.glsl"
 #define WG_SIZE 256u
 layout(local_size_x = 256) in;

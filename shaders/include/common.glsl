@@ -66,7 +66,8 @@ vec2 clamp_nan(vec2 x, float lo, float hi) { return mix(clamp(x, vec2(lo), vec2(
 // erf for the gelu_erf activation (the MoE stages and the device block's shared expert).
 float erf_approx(float x) {  // Abramowitz-Stegun 7.1.26, |error| < 1.5e-7 (below fp16 resolution)
     float t = 1.0 / (1.0 + 0.3275911 * abs(x));
-    float y = 1.0 - (((((1.061405429 * t - 1.453152027) * t) + 1.421413741) * t - 0.284496736) * t + 0.254829592) * t * exp(-x * x);
+    float y = 1.0 - (((((1.061405429 * t - 1.453152027) * t) + 1.421413741) * t - 0.284496736) * t + 0.254829592)
+                    * t * exp(-x * x);
     return x < 0.0 ? -y : y;
 }
 #endif

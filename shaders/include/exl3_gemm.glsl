@@ -176,7 +176,8 @@ void gemm_stage_rows(uint r0) {
 float gemm_red_at(uint kslice, uint rr, uint col) { return uintBitsToFloat(gemm_red[(kslice * 4u + rr) * 128u + col]); }
 
 float gemm_red_sum(uint rr, uint col) {
-    return ((gemm_red_at(0u, rr, col) + gemm_red_at(1u, rr, col)) + gemm_red_at(2u, rr, col)) + gemm_red_at(3u, rr, col);
+    return ((gemm_red_at(0u, rr, col) + gemm_red_at(1u, rr, col)) + gemm_red_at(2u, rr, col))
+           + gemm_red_at(3u, rr, col);
 }
 
 #endif

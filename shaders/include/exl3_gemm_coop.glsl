@@ -85,9 +85,11 @@ void coop_decode_lane(int kb, uint words[8]) {
     [[unroll]] for (uint half8 = 0u; half8 < 2u; ++half8) {
         uint c = half8 * 2u;
         coop_b4[(line + 8u * half8) * COOP_LINE4 + k4] =
-            uvec4(packFloat2x16(hv[0 + c]), packFloat2x16(hv[4 + c]), packFloat2x16(hv[8 + c]), packFloat2x16(hv[12 + c]));
+            uvec4(packFloat2x16(hv[0 + c]), packFloat2x16(hv[4 + c]), packFloat2x16(hv[8 + c]),
+                  packFloat2x16(hv[12 + c]));
         coop_b4[(line + 8u * half8) * COOP_LINE4 + k4 + 1u] =
-            uvec4(packFloat2x16(hv[1 + c]), packFloat2x16(hv[5 + c]), packFloat2x16(hv[9 + c]), packFloat2x16(hv[13 + c]));
+            uvec4(packFloat2x16(hv[1 + c]), packFloat2x16(hv[5 + c]), packFloat2x16(hv[9 + c]),
+                  packFloat2x16(hv[13 + c]));
     }
 }
 
@@ -120,7 +122,8 @@ void coop_emu_multiply_step() {
                 uint row = (sm * COOP_SMT + i) * 16u + (lane * 8u + e) / 16u;
                 uint col = (sn * COOP_SNT + j) * 16u + (lane * 8u + e) % 16u;
                 for (uint kx = 0u; kx < COOP_KDEPTH; ++kx)
-                    coop_emu[(i * COOP_SNT + j) * 8u + e] += COOP_EMU_AT(coop_a4, row, kx) * COOP_EMU_AT(coop_b4, col, kx);
+                    coop_emu[(i * COOP_SNT + j) * 8u + e] +=
+                        COOP_EMU_AT(coop_a4, row, kx) * COOP_EMU_AT(coop_b4, col, kx);
             }
 }
 
@@ -192,8 +195,9 @@ void coop_gemm(int a_src, int b_src, int kb, uint b_base, uint row0, uint nr, ui
         uint mt = sm * COOP_SMT + i;
         [[unroll]] for (uint j = 0u; j < COOP_SNT; ++j)
             if (mt * 16u < nr)
-                coopMatStore(acc[i * COOP_SNT + j], partial, out_base + mt * 16u * out_stride + (sn * COOP_SNT + j) * 16u,
-                             out_stride, gl_CooperativeMatrixLayoutRowMajor);
+                coopMatStore(acc[i * COOP_SNT + j], partial,
+                             out_base + mt * 16u * out_stride + (sn * COOP_SNT + j) * 16u, out_stride,
+                             gl_CooperativeMatrixLayoutRowMajor);
     }
 #endif
 }

@@ -40,7 +40,8 @@ bool wg_last_arrival(uint counter, uint arrivals) {
 #endif
         s_last[0] = uint(arrived == arrivals - 1u);
         if (s_last[0] != 0u && arrivals != 1u)
-            atomicStore(LAST_ARRIVAL_BUF[counter], 0u, gl_ScopeQueueFamily, gl_StorageSemanticsBuffer, gl_SemanticsRelaxed);
+            atomicStore(LAST_ARRIVAL_BUF[counter], 0u, gl_ScopeQueueFamily, gl_StorageSemanticsBuffer,
+                        gl_SemanticsRelaxed);
     }
     WG_BARRIER_DEVICE();
     return wg_uniform(s_last[0]) != 0u;  // callers branch on it around code with barriers (Mesa 22.3)

@@ -291,7 +291,8 @@ void moe_route() {
     barrier();
     for (uint f0 = 0u; f0 < R(); f0 += WG_SIZE) { uint f = f0 + tid; if (f >= R()) continue;
         int e = expert_ids[f];
-        if (valid_expert(e)) atomicAdd(s_count[e], 1u, gl_ScopeWorkgroup, gl_StorageSemanticsShared, gl_SemanticsRelaxed);
+        if (valid_expert(e))
+            atomicAdd(s_count[e], 1u, gl_ScopeWorkgroup, gl_StorageSemanticsShared, gl_SemanticsRelaxed);
     }
     barrier();
     // Exclusive prefix sums of the row counts and chunk counts over experts, WG_SIZE experts at a time:
@@ -329,7 +330,8 @@ void moe_route() {
         route[ROUTE_CHUNKS] = carry_chunks;
     }
     barrier();
-    for (uint e0 = 0u; e0 < pc.E; e0 += WG_SIZE) { uint e = e0 + tid; if (e < pc.E) s_count[e] = 0u; }  // reused as the scatter cursor
+    // s_count is reused as the scatter cursor
+    for (uint e0 = 0u; e0 < pc.E; e0 += WG_SIZE) { uint e = e0 + tid; if (e < pc.E) s_count[e] = 0u; }
     barrier();
     // Chunk table in parallel: chunk c belongs to the last expert whose first chunk is <= c (binary search).
     for (uint c0 = 0u; c0 < s_chunk0[pc.E]; c0 += WG_SIZE) { uint c = c0 + tid; if (c >= s_chunk0[pc.E]) continue;
@@ -346,7 +348,8 @@ void moe_route() {
     for (uint f0 = 0u; f0 < R(); f0 += WG_SIZE) { uint f = f0 + tid; if (f >= R()) continue;
         int e = expert_ids[f];
         if (valid_expert(e)) {
-            uint p = s_offset[e] + atomicAdd(s_count[e], 1u, gl_ScopeWorkgroup, gl_StorageSemanticsShared, gl_SemanticsRelaxed);
+            uint p = s_offset[e] +
+                     atomicAdd(s_count[e], 1u, gl_ScopeWorkgroup, gl_StorageSemanticsShared, gl_SemanticsRelaxed);
             route[route_row_flat(p)] = f;
             route[route_row_expert(p)] = uint(e);
         }
@@ -460,7 +463,8 @@ uint partial_rows() { return R(); }
 uint partial_row0(uint c, uint p0) { return p0; }
 #endif
 #ifdef MOE_CLOCK
-uint moe_clock_base() { return 2u * pc.splits_gu * partial_rows() * pc.I + pc.splits_d * partial_rows() * pc.H; }  // layout.clock_offset
+// layout.clock_offset
+uint moe_clock_base() { return 2u * pc.splits_gu * partial_rows() * pc.I + pc.splits_d * partial_rows() * pc.H; }
 #endif
 
 // --------------------------------------------------------------------- stage 2 (+3): gate/up GEMM, activation
@@ -576,7 +580,8 @@ void moe_gate_up(uint item) {
 // k-split 0 (split s is s * partial_rows() * I further on).
 uint gu_partial(uint proj, uint q, uint n0) { return (proj * pc.splits_gu * partial_rows() + q) * pc.I + n0; }
 
-float s3_gate[HAD_MAX_VALS];  // stage 3: g of this invocation's columns while up is transformed (module level and fixed size, as had_v)
+// stage 3: g of this invocation's columns while up is transformed (module level and fixed size, as had_v)
+float s3_gate[HAD_MAX_VALS];
 
 // Units (row, 128-block of I) of one chunk, one unit per Hadamard lane group and HAD_PASS_ROWS per pass:
 // u = had_out(Iu, up.svh), g = had_out(Ig, gate.svh), p = act(g) * u, inter = had_in(p, down.suh), where Ig and
@@ -804,7 +809,10 @@ void moe_stage5(uint e, uint p0, uint q0, uint nr, uint band) {
             uint arrived = atomicAdd(sync_words[counter], 1u, gl_ScopeQueueFamily, gl_StorageSemanticsBuffer,
                                      gl_SemanticsAcquireRelease | gl_SemanticsMakeAvailable | gl_SemanticsMakeVisible);
             done = arrived + 1u == moe_token_slots(t);
-            if (done) atomicStore(sync_words[counter], 0u, gl_ScopeQueueFamily, gl_StorageSemanticsBuffer, gl_SemanticsRelaxed);
+            if (done) {
+                atomicStore(sync_words[counter], 0u, gl_ScopeQueueFamily, gl_StorageSemanticsBuffer,
+                            gl_SemanticsRelaxed);
+            }
         }
         s_token_done[tid] = uint(done);
     }

@@ -2,8 +2,9 @@
 // token's fp32 logits, group-limited top-k (dots), top-k, normalisation, scales (vkmoe/models/routing.py is the
 // numpy twin of every step). Tie rule: equal selection scores pick the LOWER expert index (routing.py's stable
 // sort), equal group scores the lower group; slots come out in descending score order. The E loops are split
-// over the 256 invocations (E / 256 trips each); top-k ranks every expert against all E in one pass. Writes int32 ids (m, top_k) and
-// fp32 weights (m, top_k) for the routed experts; a hash token id outside the table gets ids -1, weight 0.
+// over the 256 invocations (E / 256 trips each); top-k ranks every expert against all E in one pass. Writes int32
+// ids (m, top_k) and fp32 weights (m, top_k) for the routed experts; a hash token id outside the table gets ids -1,
+// weight 0.
 //
 // Includer: declares FAMILY, logits[], bias[], expert_scale[], tid2eid[], input_ids[], ids_out[],
 // weights_out[] and a push block with E, top_k, n_group, topk_group, norm, has_bias, has_scale, vocab,

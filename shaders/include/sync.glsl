@@ -52,7 +52,9 @@ uint sync_load_relaxed(uint i) { return atomicLoad(SYNC_BUF[i], SYNC_SCOPE, SYNC
 void sync_store(uint i, uint v) { atomicStore(SYNC_BUF[i], v, SYNC_SCOPE, SYNC_STORAGE, SYNC_REL); }
 void sync_store_relaxed(uint i, uint v) { atomicStore(SYNC_BUF[i], v, SYNC_SCOPE, SYNC_STORAGE, gl_SemanticsRelaxed); }
 uint sync_add(uint i, uint v) { return atomicAdd(SYNC_BUF[i], v, SYNC_SCOPE, SYNC_STORAGE, SYNC_ACQREL); }
-uint sync_add_relaxed(uint i, uint v) { return atomicAdd(SYNC_BUF[i], v, SYNC_SCOPE, SYNC_STORAGE, gl_SemanticsRelaxed); }
+uint sync_add_relaxed(uint i, uint v) {
+    return atomicAdd(SYNC_BUF[i], v, SYNC_SCOPE, SYNC_STORAGE, gl_SemanticsRelaxed);
+}
 // The read used inside spin loops. Not atomicLoad: lavapipe 22.3 turns a relaxed atomicLoad into a plain load
 // that LLVM hoists out of the loop, so the spin never sees the new value (it then times out, never returns a
 // wrong "true", but the probe would measure nothing). A read-modify-write cannot be hoisted on any driver.
