@@ -183,3 +183,12 @@ def calls_on_two_plans(device, layer: SimpleNamespace, settings, seed: int, firs
             for moe, setting in zip((a, b), settings):
                 first_call(moe, setting, -call["x"], other, call["weights"])
             yield call, a, b
+
+
+def ids_with_dead_slots(call: dict, E: int):
+    """A golden call's routing with slots that pick no valid expert: token 0 none at all (ids -1 and E + 5), token
+    1 one slot out of range (id E). Those slots are skipped; token 0's output row must be zero."""
+    ids = call["selected"].astype(np.int64).copy()
+    ids[0, :] = [-1, E + 5]
+    ids[1, 0] = E
+    return ids

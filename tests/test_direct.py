@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import vkmoe
-from goldens import (calls_on_two_plans, golden_files, golden_moe, load_layer, reference_targets, rel_rms,
-                     run_golden_call, same_bits)
+from goldens import (calls_on_two_plans, golden_files, golden_moe, ids_with_dead_slots, load_layer, reference_targets,
+                     rel_rms, run_golden_call, same_bits)
 from vkmoe import layout
 from vkmoe.ops import plan as ops_plan
 
@@ -75,10 +75,7 @@ def test_direct_mode_skips_bad_ids_and_zeroes_tokens_without_a_valid_expert(devi
     L = load_layer(golden_files()[0])
     call = L.calls[0]
     with golden_moe(device, L) as routed, golden_moe(device, L) as direct:
-        E = direct.E
-        ids = call["selected"].astype(np.int64).copy()
-        ids[0, :] = [-1, E + 5]  # token 0: no valid slot at all
-        ids[1, 0] = E            # token 1: one slot out of range, skipped
+        ids = ids_with_dead_slots(call, direct.E)
         x, w = call["x"], call["weights"]
         _first_call(monkeypatch, routed, "off", x, call["selected"], w)
         _first_call(monkeypatch, direct, "on", x, call["selected"], w)
