@@ -62,7 +62,7 @@ test-mesa25: bootstrap mesa25
 _pytest-system:
 	@echo "=== pytest: system lavapipe ($$(dpkg-query -W -f='$${Version}' mesa-vulkan-drivers 2>/dev/null)), VKMOE_VALIDATION=$(VALIDATION) ==="
 	env -u VK_DRIVER_FILES -u VK_ICD_FILENAMES VKMOE_VALIDATION=$(VALIDATION) VKMOE_CACHE_DIR=$(CURDIR)/.cache/vkmoe-system \
-	  $(PY) -m pytest tests $(PYTEST_ARGS)
+	  $(PY) -m pytest tests --durations=15 $(PYTEST_ARGS)
 
 # MESA25_TESTS: what pytest collects (make test's halves pass their files); MESA25_RUN names the half (its
 # vkmoe cache directory and the header). A half that PYTEST_ARGS leaves without tests (pytest's exit 5) passes.
@@ -71,7 +71,7 @@ MESA25_RUN ?=
 _pytest-mesa25:
 	@echo "=== pytest: Mesa 25 lavapipe (.cache/mesa25)$(if $(MESA25_RUN), run $(MESA25_RUN): $(MESA25_TESTS)), VKMOE_VALIDATION=$(VALIDATION) ==="
 	bash scripts/mesa25.sh run env VKMOE_VALIDATION=$(VALIDATION) VKMOE_CACHE_DIR=$(CURDIR)/.cache/vkmoe-mesa25$(if $(MESA25_RUN),-$(MESA25_RUN)) \
-	  $(PY) -m pytest $(MESA25_TESTS) $(PYTEST_ARGS)$(if $(MESA25_RUN), || [ $$? = 5 ])
+	  $(PY) -m pytest $(MESA25_TESTS) --durations=15 $(PYTEST_ARGS)$(if $(MESA25_RUN), || [ $$? = 5 ])
 
 demo: bootstrap
 	$(PY) -m vkmoe demo
