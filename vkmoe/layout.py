@@ -244,7 +244,7 @@ def split_grids(plan, H, I, gated):
     return (None if getattr(plan, "direct", False) else fold_grid(1 + stage1_items(plan.m, plan.top_k, H)),
             (gate_up_items_per_chunk(I, gated, plan.splits_gu), plan.max_chunks),
             (down_items_per_chunk(H, plan.splits_d), plan.max_chunks),
-            fold_grid(ceil_div(plan.m * H, 256)) if getattr(plan, "token_sum_pass", False) else None)
+            fold_grid(ceil_div(plan.m * H, WORKGROUP_SIZE)) if getattr(plan, "token_sum_pass", False) else None)
 
 
 def linear_grid(plan, n):
