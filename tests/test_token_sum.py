@@ -118,7 +118,8 @@ def test_block_runs_the_token_sum_pass_after_both_chains(device, tmp_path, monke
         monkeypatch.setenv("VKMOE_MOE_TOKEN_SUM", token_sum)  # (read when the block's routed op first plans m)
         block = SparseMoeBlock.from_checkpoint(path, 0, backend="vulkan", device=device)
         try:
-            assert block.device_block.moe.split_token_sum_pass(m, ARCHS["deepseek_v3"]["top_k"]) is (token_sum == "on")
+            plan = block.device_block.moe.moe_plan(m, ARCHS["deepseek_v3"]["top_k"])
+            assert plan.token_sum_pass is (token_sum == "on")
             phases, outs[token_sum] = _recorded_phases(device, block, x, m)
             assert np.array_equal(block(x), outs[token_sum])
         finally:

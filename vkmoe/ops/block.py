@@ -234,7 +234,7 @@ class DeviceMoeBlock:
             # Fused (the routed down adds the shared output): the shared chain ends one phase earlier, beside the
             # routed gate/up, and the routed down runs alone. A token-sum pass (the routed plan's last dispatch, a
             # short one) runs after both chains, so the shared down GEMM stays beside the routed down.
-            last_alone = fused or self.moe.split_token_sum_pass(m, self.top_k)
+            last_alone = fused or self.moe.moe_plan(m, self.top_k).token_sum_pass
             tail = routed[-1:] if last_alone else []
             routed = routed[:-1] if last_alone else routed
             n = max(len(routed), len(rest))
@@ -264,7 +264,7 @@ class DeviceMoeBlock:
             return False
         if not self.shared["down"].direct(m):
             return False
-        return mode != "split" or self.moe.split_direct(m, self.top_k)
+        return mode != "split" or self.moe.moe_plan(m, self.top_k).direct
 
     def _shared_phases(self, x16, s, m, fused=False):
         """The shared expert's phases: [up and gate input Hadamards, gate GEMV] (before the router), [up and

@@ -705,17 +705,12 @@ class Exl3MoeMlp:
         return self._split_stages(scratch, self._bindings(scratch, hidden_buf, ids_buf, weights_buf, out_buf, shared),
                                   shared_add)
 
-    def split_direct(self, m: int, top_k: int) -> bool:
-        """Whether split_stages for m tokens is direct mode (two dispatches, no routing pass: the rows of tokens
-        with no valid slot are zeroed by the down dispatch)."""
+    def moe_plan(self, m: int, top_k: int):
+        """The MoePlan (vkmoe.ops.plan) that split_stages follows for m tokens: e.g. `.direct` (two dispatches, no
+        routing pass: the down dispatch zeroes the rows of tokens with no valid slot) or `.token_sum_pass` (a last
+        dispatch that only sums each token's (token, slot) rows into the output)."""
         with self._call_lock:
-            return self._scratch_for(check_rows(m, minimum=1), top_k).plan.direct
-
-    def split_token_sum_pass(self, m: int, top_k: int) -> bool:
-        """Whether split_stages for m tokens ends with the token-sum pass (a dispatch that only sums each token's
-        (token, slot) rows into the output: MoePlan.token_sum_pass)."""
-        with self._call_lock:
-            return self._scratch_for(check_rows(m, minimum=1), top_k).plan.token_sum_pass
+            return self._scratch_for(check_rows(m, minimum=1), top_k).plan
 
     def decided_mode(self, m: int, top_k: int, dispatch=None) -> str:
         """"split" or "persistent": the mode vkmoe.sched picks now for a call of m tokens (for callers that record
