@@ -119,17 +119,19 @@ void gemm_accumulate(const int a_src, int b_src, int K, const int cb, uint nr,
     uint tile_words = 8u * uint(K);
     uint first = uint(K) * q;                       // this lane's first word inside the tile
     uint prev_index = (first + tile_words - 1u) % tile_words;
+    // Trellis word where k-tile KT of this slot's n-tile starts (tiles are stored k-tile-major, n-tiles inside).
+#define GEMM_TILE_BASE(KT) (b_base + ((KT) * tiles_n + nt) * tile_words)
     // The next step's tiles are loaded before this step's are decoded: decode is cheap next to a memory round trip,
     // and a k-slice has only a few tiles per invocation at small batch sizes. Slot tiles kt, kt + 4, ...
     const uint step = 4u * uint(GEMM_TILES_PER_STEP);
     uint kt = kt0 + (slot >> 3);
     uint next_a[8], prev_a = 0u;
     if (kt < kt1)
-        gemm_load_tile(b_src, K, b_base + (kt * tiles_n + nt) * tile_words, first, prev_index, next_a, prev_a);
+        gemm_load_tile(b_src, K, GEMM_TILE_BASE(kt), first, prev_index, next_a, prev_a);
 #if GEMM_TILES_PER_STEP >= 2
     uint next_b[8] = uint[8](0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u), prev_b = 0u;
     if (kt + 4u < kt1)
-        gemm_load_tile(b_src, K, b_base + ((kt + 4u) * tiles_n + nt) * tile_words, first, prev_index, next_b, prev_b);
+        gemm_load_tile(b_src, K, GEMM_TILE_BASE(kt + 4u), first, prev_index, next_b, prev_b);
 #endif
 #ifdef GEMM_AFTER_PREFETCH
     // The includer's preparation of A (the persistent MoE kernel's wait for the previous stage, or the direct
@@ -139,13 +141,11 @@ void gemm_accumulate(const int a_src, int b_src, int K, const int cb, uint nr,
     for (; kt < kt1; kt += step) {
         uint words_a[8] = next_a, pa = prev_a;
         if (kt + step < kt1)
-            gemm_load_tile(b_src, K, b_base + ((kt + step) * tiles_n + nt) * tile_words, first, prev_index,
-                           next_a, prev_a);
+            gemm_load_tile(b_src, K, GEMM_TILE_BASE(kt + step), first, prev_index, next_a, prev_a);
 #if GEMM_TILES_PER_STEP >= 2
         uint words_b[8] = next_b, pb = prev_b;
         if (kt + step + 4u < kt1)
-            gemm_load_tile(b_src, K, b_base + ((kt + step + 4u) * tiles_n + nt) * tile_words, first, prev_index,
-                           next_b, prev_b);
+            gemm_load_tile(b_src, K, GEMM_TILE_BASE(kt + step + 4u), first, prev_index, next_b, prev_b);
 #endif
         gemm_tile(a_src, K, cb, nr, kt, words_a, pa);
         // A step's second tile past the slot's last one is decoded (from whatever words next_b holds) but not added:
@@ -154,6 +154,7 @@ void gemm_accumulate(const int a_src, int b_src, int K, const int cb, uint nr,
         gemm_tile(a_src, K, cb, kt + 4u < kt1 ? nr : 0u, kt + 4u, words_b, pb);
 #endif
     }
+#undef GEMM_TILE_BASE
 }
 
 // Write the k-slice partials of rows r0 .. r0+3 into gemm_red; after a barrier, gemm_red_sum(row - r0, column)
