@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+import vkmoe
 from vkmoe.exl3 import Exl3Tensor
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -142,6 +143,27 @@ def run_golden_call(moe, call, mode):
     out = moe(call["x"], call["selected"], call["weights"], dispatch=mode)
     assert moe.last_run["mode"] == mode, moe.last_run
     return out
+
+
+def record_run(device, moe, x, ids, w, mode: str = "split"):
+    """moe.record() of one forward in `mode` into a caller-owned command buffer with caller-owned buffers (ids
+    outside [0, E) are skipped there); the output poisoned with NaN first."""
+    m, top_k = ids.shape
+    mem = device.memory
+    bufs = [mem.allocate(x.nbytes), mem.allocate(ids.size * 4), mem.allocate(w.size * 4), mem.allocate(m * moe.H * 4)]
+    try:
+        for buf, a in zip(bufs, (x.astype(np.float16), ids.astype(np.int32), w.astype(np.float32),
+                                 np.full((m, moe.H), np.nan, np.float32))):
+            buf.upload(np.ascontiguousarray(a))
+        with vkmoe.CommandRecorder(device) as cmd:
+            cmd.begin()
+            moe.record(cmd, *bufs, m, top_k, mode=mode)
+            cmd.end()
+            cmd.submit(wait=True)
+        return bufs[3].download(np.float32, (m, moe.H))
+    finally:
+        for b in bufs:
+            b.close()
 
 
 def poison_block_scratch(block) -> None:

@@ -8,9 +8,8 @@ import os
 import numpy as np
 import pytest
 
-import vkmoe
-from goldens import (calls_on_two_plans, golden_files, golden_moe, ids_with_dead_slots, load_layer, reference_targets,
-                     rel_rms, run_golden_call, same_bits)
+from goldens import (calls_on_two_plans, golden_files, golden_moe, ids_with_dead_slots, load_layer, record_run,
+                     reference_targets, rel_rms, run_golden_call, same_bits)
 from vkmoe import layout
 from vkmoe.ops import plan as ops_plan
 
@@ -51,26 +50,6 @@ def test_direct_mode_gives_the_routed_bits(device, monkeypatch, path):
         assert rel_rms(want, ref) < 3e-3
 
 
-def _record_run(device, moe, x, ids, w, mode):
-    """moe.record() of one forward in `mode` (ids outside [0, E) are skipped there); the output poisoned with NaN."""
-    m, top_k = ids.shape
-    mem = device.memory
-    bufs = [mem.allocate(x.nbytes), mem.allocate(ids.size * 4), mem.allocate(w.size * 4), mem.allocate(m * moe.H * 4)]
-    try:
-        for buf, a in zip(bufs, (x.astype(np.float16), ids.astype(np.int32), w.astype(np.float32),
-                                 np.full((m, moe.H), np.nan, np.float32))):
-            buf.upload(np.ascontiguousarray(a))
-        with vkmoe.CommandRecorder(device) as cmd:
-            cmd.begin()
-            moe.record(cmd, *bufs, m, top_k, mode=mode)
-            cmd.end()
-            cmd.submit(wait=True)
-        return bufs[3].download(np.float32, (m, moe.H))
-    finally:
-        for b in bufs:
-            b.close()
-
-
 def test_direct_mode_skips_bad_ids_and_zeroes_tokens_without_a_valid_expert(device, monkeypatch):
     L = load_layer(golden_files()[0])
     call = L.calls[0]
@@ -80,12 +59,12 @@ def test_direct_mode_skips_bad_ids_and_zeroes_tokens_without_a_valid_expert(devi
         _first_call(monkeypatch, routed, "off", x, call["selected"], w)
         _first_call(monkeypatch, direct, "on", x, call["selected"], w)
         assert direct.last_run["plan"]["direct"] and not routed.last_run["plan"]["direct"]
-        want = _record_run(device, routed, x, ids, w, "split")
+        want = record_run(device, routed, x, ids, w, "split")
         assert np.all(want[0] == 0.0) and np.isfinite(want).all()
         # twice persistent: the slots without an expert take their next item's ticket without an arrival, and the
         # counters they leave must still be back to 0 for the second launch (and after it)
         for mode in ("split", "persistent", "persistent"):
-            got = _record_run(device, direct, x, ids, w, mode)
+            got = record_run(device, direct, x, ids, w, mode)
             assert same_bits(got, want), mode
         words = direct._scratch_for(*ids.shape).sync.download(np.uint32)
         assert not words.any(), np.nonzero(words)[0][:24]

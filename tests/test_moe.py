@@ -10,7 +10,7 @@ import pytest
 
 import vkmoe
 from vkmoe.exl3 import Exl3Tensor, reference, save_exl3_tensor
-from goldens import golden_files, load_layer, rel_rms, reference_targets
+from goldens import golden_files, load_layer, record_run, rel_rms, reference_targets
 
 MODES = ["split"]  # the persistent path will be added here
 SPLIT = "split"
@@ -233,33 +233,11 @@ def test_from_safetensors_round_trip(device, tiny, tmp_path):
     assert np.array_equal(y, direct)
 
 
-def _record_run(device, moe, x, ids, w):
-    """moe.record() into a caller-owned command buffer with caller-owned buffers; output poisoned with NaN."""
-    m, top_k = ids.shape
-    mem = device.memory
-    hb, ib = mem.allocate(x.nbytes), mem.allocate(ids.size * 4)
-    wb, ob = mem.allocate(w.size * 4), mem.allocate(m * moe.H * 4)
-    try:
-        hb.upload(np.ascontiguousarray(x, np.float16))
-        ib.upload(np.ascontiguousarray(ids, np.int32))
-        wb.upload(np.ascontiguousarray(w, np.float32))
-        ob.upload(np.full((m, moe.H), np.nan, np.float32))
-        with vkmoe.CommandRecorder(device) as cmd:
-            cmd.begin()
-            moe.record(cmd, hb, ib, wb, ob, m, top_k)
-            cmd.end()
-            cmd.submit(wait=True)
-        return ob.download(np.float32, (m, moe.H))
-    finally:
-        for b in (hb, ib, wb, ob):
-            b.close()
-
-
 def test_record_matches_call(device, tiny):
     L, moe = tiny
     call = L.calls[0]
     direct = _run(moe, call["x"], call["selected"], call["weights"])
-    y = _record_run(device, moe, call["x"], call["selected"], call["weights"])
+    y = record_run(device, moe, call["x"], call["selected"], call["weights"])
     assert np.isfinite(y).all()
     assert np.array_equal(y, direct)
 
@@ -275,7 +253,7 @@ def test_record_skips_out_of_range_ids(device, tiny):
     ids[0, 1] = E
     ids[1, 0] = -1
     ids[2, :] = [E + 5, -7]  # every slot out of range
-    y = _record_run(device, moe, x, ids, w)
+    y = record_run(device, moe, x, ids, w)
     assert np.isfinite(y).all()
     assert np.array_equal(y[2], np.zeros(L.hidden_size, np.float32))
     ref = _ref(L, x, ids, w)

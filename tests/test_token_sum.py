@@ -9,8 +9,8 @@ import numpy as np
 
 import pytest
 
-from goldens import (calls_on_two_plans, golden_files, load_layer, reference_targets, rel_rms, run_golden_call,
-                     same_bits)
+from goldens import (calls_on_two_plans, golden_files, golden_moe, ids_with_dead_slots, load_layer, poison_scratch,
+                     record_run, reference_targets, rel_rms, run_golden_call, same_bits)
 from vkmoe import layout
 from vkmoe.ops import moe as ops_moe
 from vkmoe.ops import plan as ops_plan
@@ -52,9 +52,6 @@ def test_token_sum_pass_skips_dead_slots(device, monkeypatch):
     """Slots without a valid expert (an id below 0 or past E): their (token, slot) rows are never written, and the
     scratch holds NaN (poisoned) there; the pass must drop them as the tails do, and give a token with no valid
     slot a zero row."""
-    from goldens import golden_moe, ids_with_dead_slots, poison_scratch
-    from test_direct import _record_run
-
     L = load_layer(golden_files()[0])
     call = L.calls[0]
     with golden_moe(device, L) as tails, golden_moe(device, L) as passed:
@@ -64,7 +61,7 @@ def test_token_sum_pass_skips_dead_slots(device, monkeypatch):
         for moe, token_sum in ((tails, "off"), (passed, "on")):
             _plan_shape(monkeypatch, moe, token_sum, -x, call["selected"], w)
             poison_scratch(moe)
-            outs.append(_record_run(device, moe, x, ids, w, "split"))
+            outs.append(record_run(device, moe, x, ids, w, "split"))
         want, got = outs
         assert np.all(want[0] == 0.0) and np.isfinite(want).all()
         assert same_bits(got, want)
