@@ -776,30 +776,25 @@ void moe_stage5_token(uint t, uint band) {
 
 // Token t's output at column col: its valid slots' rows of rows_out summed in slot order (the same bits whichever
 // expert finished last), through moe_out_value. The last tail of the token's band runs it, or the token-sum pass.
-// V (float or vec4, the type of ROW) += the rows of token T's routed slots, in slot order. ROW(f) reads the row of
-// flat slot f. Each group of 8 slots requests all its rows before adding any, so the sum waits one memory round
-// trip per 8 slots instead of one per slot; a slot past top_k reads slot top_k - 1's row (in bounds), never added.
+// Each group of 8 slots requests all its rows before adding any, so the sum waits one round trip to memory per 8
+// slots instead of one per slot; a slot past top_k reads slot top_k - 1's row (in bounds) and is never added.
 #if MAX_TOP_K % 8 != 0
-#error MOE_SUM_SLOTS groups slots by 8
+#error moe_token_out groups the slots by 8
 #endif
-#define MOE_SUM_SLOTS(TYPE, V, T, ROW) { \
-    uint base_ = (T) * pc.top_k; \
-    [[unroll]] for (int s0 = 0; s0 < MAX_TOP_K; s0 += 8) { \
-        if (uint(s0) < pc.top_k) { \
-            TYPE row_[8]; \
-            [[unroll]] for (int j = 0; j < 8; ++j) { \
-                uint s = min(uint(s0 + j), pc.top_k - 1u); \
-                row_[j] = ROW(base_ + s); \
-            } \
-            [[unroll]] for (int j = 0; j < 8; ++j) \
-                if (uint(s0 + j) < pc.top_k && valid_expert(expert_ids[base_ + uint(s0 + j)])) V += row_[j]; \
-        } \
-    } }
-
-#define ROWS_OUT_COL(f) rows_out[(f) * pc.H + col]
 void moe_token_out(uint t, uint col) {
     float v = 0.0;
-    MOE_SUM_SLOTS(float, v, t, ROWS_OUT_COL)
+    uint base = t * pc.top_k;
+    [[unroll]] for (int s0 = 0; s0 < MAX_TOP_K; s0 += 8) {
+        if (uint(s0) < pc.top_k) {
+            float row[8];
+            [[unroll]] for (int j = 0; j < 8; ++j) {
+                uint s = min(uint(s0 + j), pc.top_k - 1u);
+                row[j] = rows_out[(base + s) * pc.H + col];
+            }
+            [[unroll]] for (int j = 0; j < 8; ++j)
+                if (uint(s0 + j) < pc.top_k && valid_expert(expert_ids[base + uint(s0 + j)])) v += row[j];
+        }
+    }
     out_h[t * pc.H + col] = moe_out_value(t, col, v);
 }
 
