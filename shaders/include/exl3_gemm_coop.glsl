@@ -21,7 +21,7 @@
 // gemm_b_word4 (exl3_tile_load.glsl), uvec4 coop_a_word4(int src, uint index4) (A as packed fp16, 16 bytes at a
 // time) and the fp32 buffer partial[] the results go to, and includes exl3_decode.glsl with EXL3_F16 defined.
 // Optional: COOP_A_ROW(row0, r), the index in A of the tile's row r (default row0 + r: contiguous rows; the MoE
-// gathers its rows by (token, slot)). Needs subgroups of COOP_SUBGROUP (32) invocations, 8 per workgroup, whose
+// gathers its rows by (token, slot)); COOP_A_AHEAD, to request each step's A rows one step ahead (coop_gemm). Needs subgroups of COOP_SUBGROUP (32) invocations, 8 per workgroup, whose
 // invocations 8g .. 8g+7 are consecutive (the tail-biting previous word comes from a shuffle, as in the FMA core).
 // The weights (source b_src, K = kb bits, starting at word b_base) and A (source a_src) are arguments, so one
 // shader may run several projections (the MoE's gate, up and down experts).
@@ -159,13 +159,26 @@ void coop_gemm(int a_src, int b_src, int kb, uint b_base, uint row0, uint nr, ui
     uint words[8];
     uvec4 a[COOP_A_PER];
     if (kt0 < kt1) coop_load_lane(b_src, kb, b_base, kt0, tiles_n, band, words);
+#ifdef COOP_A_AHEAD
+    if (kt0 < kt1) coop_load_a(a_src, row0, nr, k, kt0, a);
+#endif
     for (uint kt = kt0; kt < kt1; kt += COOP_KSTEP) {
-        // A (an L2-resident input, re-read by every band) is loaded at the step that uses it, not one step ahead:
-        // holding it across the multiplications cost 20 registers (162 -> 142 on the wide tile) and made the
-        // H200's linear 8192 x 8192 17-20 % slower (BENCHMARKS.md, sixteenth session)
+#ifdef COOP_A_AHEAD
+        // The MoE's 16-row tile: its A share (one 16-byte load or none per invocation, gathered rows that need
+        // not be in L2) held across the multiplications costs 6-8 registers (still three workgroups per SM), and
+        // waiting for it at every step cost the H100 9-12 % of the gate/up phase (BENCHMARKS.md, thirty-ninth
+        // session).
+        coop_store_a(a);
+        coop_decode_lane(kb, words);
+        if (kt + COOP_KSTEP < kt1) coop_load_a(a_src, row0, nr, k, kt + COOP_KSTEP, a);
+#else
+        // The linear's tiles: A (an L2-resident input, re-read by every band) is loaded at the step that uses it,
+        // not one step ahead: holding it across the multiplications cost 20 registers (162 -> 142 on the wide
+        // tile) and made the H200's linear 8192 x 8192 17-20 % slower (BENCHMARKS.md, sixteenth session)
         coop_load_a(a_src, row0, nr, k, kt, a);
         coop_decode_lane(kb, words);
         coop_store_a(a);
+#endif
         if (kt + COOP_KSTEP < kt1)  // the next step's weights (from HBM) fly during this step's multiplications
             coop_load_lane(b_src, kb, b_base, kt + COOP_KSTEP, tiles_n, band, words);
         barrier();

@@ -220,6 +220,9 @@ void moe_after_prefetch(const int a_src);
 // 64 words: a multiple of 16 bytes, as every shared variable of a cooperative-matrix shader must be.
 shared uint coop_row[COOP_BM];
 #define COOP_A_ROW(row0, r) coop_row[r]
+// A 16-row tile's A share is one 16-byte load per invocation or none, so it is requested a step ahead (H100: the
+// gate/up phase 9-12 % shorter; DESIGN.md, "The MoE stages on cooperative matrices").
+#define COOP_A_AHEAD
 uvec4 coop_a_word4(int src, uint index) { return gemm_a_word4(src, index); }
 #include "exl3_gemm_coop.glsl"
 uvec4 gemm_a_word4(const int src, uint index) { return src == A_STATES ? states4[index] : inter4[index]; }
