@@ -44,8 +44,19 @@ def test_the_tool_names_and_times_each_phase_of_the_plan_it_ran(tmp_path):
     # --json: the figures printed, with the fields every docs/bench file keeps
     doc = json.loads(path.read_text())
     assert doc["tool"] == "profile_moe" and doc["device"]["name"] and doc["shape"]["name"] == "small" and doc["time"]
+    assert doc["io"] == "device"  # bench_moe's placement, unless --io call
     assert [r["m"] for r in doc["results"]] == [1, 16] and all(r["mode"] == "split" for r in doc["results"])
     for line, r in zip(lines, doc["results"]):
         assert f"{r['median_us']:8.1f}" in line and r["plan"]["m"] == r["m"], (line, r)
         assert list(r["phases_median_us"]) == \
             runpy.run_path(TOOL, run_name="profile_moe")["phase_names"](SimpleNamespace(**r["plan"]))
+
+
+def test_io_call_profiles_with_the_call_paths_buffers(tmp_path):
+    """--io call: the numpy call path's buffers (the output in host memory), recorded in the JSON."""
+    path = tmp_path / "profile.json"
+    out = subprocess.run([sys.executable, TOOL, "--shape", "small", "--m", "1", "--iters", "1", "--io", "call",
+                          "--json", str(path)], cwd=REPO, env=python_env(), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(path.read_text())
+    assert doc["io"] == "call" and [r["m"] for r in doc["results"]] == [1] and doc["results"][0]["median_us"] > 0
