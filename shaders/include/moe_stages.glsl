@@ -373,28 +373,63 @@ uint stage1_items() { return (R() * (pc.H / BAND) + STAGE1_PAIRS_PER_ITEM - 1u) 
 uint routed_chunks() { return DIRECT ? R() : wg_uniform(route[ROUTE_CHUNKS]); }
 
 // had_v = RN16(hidden[t] * suh of projection proj of expert e) for this invocation's columns h0 .. of H; the
-// caller passes a valid (t, e) (stage 1's rows without a valid expert clamp theirs and drop the result).
-void stage1_load(uint t, uint e, uint proj, uint h0) {
+// caller passes a valid (t, e) (stage 1's rows without a valid expert clamp theirs and drop the result). In two
+// steps, so that a caller may request a row's words before it needs them: stage1_request loads the fp16 pairs of
+// hidden and suh, stage1_apply multiplies them into had_v.
+struct Stage1Words { uint x[HAD_MAX_VALS / 2u], s[HAD_MAX_VALS / 2u]; };
+Stage1Words stage1_request(uint t, uint e, uint proj, uint h0) {
+    Stage1Words w;
     uint xw = (t * pc.H + h0) >> 1, sw = (e * pc.H + h0) >> 1;  // h0 is even: whole fp16 pairs
     [[unroll]] for (uint j = 0u; j < HAD_VALS; j += 2u) {
-        vec2 x = unpackHalf2x16(hidden[xw + j / 2u]);
-        had_set_pair(j, rn16_pair(x * unpackHalf2x16(proj == 0u ? gate_suh[sw + j / 2u] : up_suh[sw + j / 2u])));
+        w.x[j / 2u] = hidden[xw + j / 2u];
+        w.s[j / 2u] = proj == 0u ? gate_suh[sw + j / 2u] : up_suh[sw + j / 2u];
     }
+    return w;
+}
+void stage1_apply(Stage1Words w) {
+    [[unroll]] for (uint j = 0u; j < HAD_VALS; j += 2u)
+        had_set_pair(j, rn16_pair(unpackHalf2x16(w.x[j / 2u]) * unpackHalf2x16(w.s[j / 2u])));
+}
+void stage1_load(uint t, uint e, uint proj, uint h0) { stage1_apply(stage1_request(t, e, proj, h0)); }
+
+// Stage 1's row of pass row r of item u: its (token, slot) row f (R() where r is past the item's rows), block
+// start h0 (this invocation's first column), projection and expert (-1: none).
+struct Stage1Row { uint f, h0, proj; int e; };
+Stage1Row stage1_row(uint u, uint r) {
+    uint blocks = pc.H / 128u, projs = gu_projections(), rows = STAGE1_PAIRS_PER_ITEM * projs;
+    uint pair = STAGE1_PAIRS_PER_ITEM * u + r / projs;
+    Stage1Row row;
+    row.proj = projs == 2u ? r & 1u : 1u;
+    row.f = r < rows ? pair / blocks : R();  // f = R(): not a row
+    row.h0 = (pair % blocks) * 128u + had_col0();
+    row.e = row.f < R() ? expert_ids[row.f] : -1;
+    return row;
+}
+Stage1Words stage1_request_row(Stage1Row row) {
+    return stage1_request(row.f < R() ? row.f / pc.top_k : 0u, valid_expert(row.e) ? uint(row.e) : 0u, row.proj,
+                          row.h0);
 }
 
 // Item u: (row, block) pairs STAGE1_PAIRS_PER_ITEM * u ..; its rows are (pair, projection), the gate row
 // only where the activation is gated, HAD_PASS_ROWS of them per pass (no barrier with the subgroup transform).
+// Each pass requests the next pass's words before its own transform, so an item waits for one round trip to
+// memory, not one per pass (BENCHMARKS.md, thirty-ninth session).
 void moe_stage1(uint u) {
-    uint blocks = pc.H / 128u, projs = gu_projections(), rows = STAGE1_PAIRS_PER_ITEM * projs, c0 = had_col0();
+    uint projs = gu_projections(), rows = STAGE1_PAIRS_PER_ITEM * projs;
+    Stage1Row next = stage1_row(u, had_row());
+    Stage1Words next_words = stage1_request_row(next);
     for (uint r0 = 0u; r0 < rows; r0 += HAD_PASS_ROWS) {
         uint r = r0 + had_row();
-        uint pair = STAGE1_PAIRS_PER_ITEM * u + r / projs, proj = projs == 2u ? r & 1u : 1u;
-        uint f = r < rows ? pair / blocks : R(), h0 = (pair % blocks) * 128u + c0;  // f = R(): not a row
-        int e = f < R() ? expert_ids[f] : -1;
-        bool live = valid_expert(e);
-        stage1_load(f < R() ? f / pc.top_k : 0u, live ? uint(e) : 0u, proj, h0);
+        Stage1Row row = next;
+        stage1_apply(next_words);
+        if (r0 + HAD_PASS_ROWS < rows) {
+            next = stage1_row(u, r + HAD_PASS_ROWS);
+            next_words = stage1_request_row(next);
+        }
+        uint f = row.f, h0 = row.h0;
+        bool live = valid_expert(row.e);
         had_transform();
-        uint sw = ((proj * R() + f) * pc.H + h0) >> 1;
+        uint sw = ((row.proj * R() + f) * pc.H + h0) >> 1;
         [[unroll]] for (uint j = 0u; j < HAD_VALS; j += 2u)
             if (live) states[sw + j / 2u] = had_scaled_word(j);
         // A token with no valid slot (possible only through record() / forward_sorted) gets a zero output row:
