@@ -21,8 +21,9 @@
 // gemm_b_word4 (exl3_tile_load.glsl), uvec4 coop_a_word4(int src, uint index4) (A as packed fp16, 16 bytes at a
 // time) and the fp32 buffer partial[] the results go to, and includes exl3_decode.glsl with EXL3_F16 defined.
 // Optional: COOP_A_ROW(row0, r), the index in A of the tile's row r (default row0 + r: contiguous rows; the MoE
-// gathers its rows by (token, slot)); COOP_A_AHEAD, to request each step's A rows one step ahead (coop_gemm). Needs subgroups of COOP_SUBGROUP (32) invocations, 8 per workgroup, whose
-// invocations 8g .. 8g+7 are consecutive (the tail-biting previous word comes from a shuffle, as in the FMA core).
+// gathers its rows by (token, slot)); COOP_A_AHEAD, to request each step's A rows one step ahead (coop_gemm).
+// Needs subgroups of COOP_SUBGROUP (32) invocations, 8 per workgroup, whose invocations 8g .. 8g+7 are
+// consecutive (the tail-biting previous word comes from a shuffle, as in the FMA core).
 // The weights (source b_src, K = kb bits, starting at word b_base) and A (source a_src) are arguments, so one
 // shader may run several projections (the MoE's gate, up and down experts).
 #ifndef EXL3_GEMM_COOP_GLSL
