@@ -53,7 +53,7 @@ void main() {
     uint kt0 = split * pc.kt_per_split, kt1 = min(tiles_k, kt0 + pc.kt_per_split);
 
     coop_gemm(0, 0, K, 0u, row0, nr, pc.k, pc.n / 16u, band, kt0, kt1,
-              split * m_pad * pc.n + row0 * pc.n + band * BAND, pc.n);
+              split * m_pad * pc.n + row0 * pc.n + band * BAND, pc.n, false);
 
     if (!wg_last_arrival(tile * (pc.n / BAND) + band, pc.splits))
         return;

@@ -53,6 +53,16 @@
 shared uvec4 coop_b4[BAND * COOP_LINE4];
 shared uvec4 coop_a4[COOP_BM * COOP_LINE4];
 
+// A tile's fp32 results kept in shared memory (coop_gemm with c_in_shared; a tail that is the tile's only reader,
+// e.g. one k-split): row r, band column c at float r * 4 COOP_C_LINE4 + c of coop_b4, which holds no weights once
+// the k-loop's last barrier has passed (COOP_BM lines of 33 uvec4 fit its BAND lines of COOP_LINE4 >= 9). Lines
+// padded by 4 floats, so that a matrix store's 16 rows start on distinct bank groups.
+#define COOP_C_LINE4 (BAND / 4u + 1u)
+float coop_c_at(uint r, uint c) {
+    uint i = r * COOP_C_LINE4 * 4u + c;
+    return uintBitsToFloat(coop_b4[i >> 2][i & 3u]);
+}
+
 #ifdef COOP_EMULATE
 // The data flow without cooperative matrices (a test build for devices without them, e.g. lavapipe): emulated
 // subgroup tid >> 5 owns the same tiles as a real one; its invocation tid & 31 holds elements (tid & 31) * 8 ..
@@ -128,15 +138,22 @@ void coop_emu_multiply_step() {
             }
 }
 
-void coop_emu_store(uint base, uint stride, uint nr) {
+void coop_emu_store(uint base, uint stride, uint nr, bool c_in_shared) {
     uint lane = gl_LocalInvocationID.x & 31u, sm = COOP_SG / COOP_SG_N, sn = COOP_SG % COOP_SG_N;
     for (uint i = 0u; i < COOP_SMT; ++i)
         for (uint j = 0u; j < COOP_SNT; ++j) {
             uint mt = sm * COOP_SMT + i, nt = sn * COOP_SNT + j;
-            for (uint e = 0u; e < 8u; ++e)
-                if (mt * 16u < nr)
-                    partial[base + (mt * 16u + (lane * 8u + e) / 16u) * stride + nt * 16u + (lane * 8u + e) % 16u] =
-                        coop_emu[(i * COOP_SNT + j) * 8u + e];
+            for (uint e = 0u; e < 8u; ++e) {
+                uint row = mt * 16u + (lane * 8u + e) / 16u, col = nt * 16u + (lane * 8u + e) % 16u;
+                float v = coop_emu[(i * COOP_SNT + j) * 8u + e];
+                if (mt * 16u >= nr) continue;
+                if (c_in_shared) {
+                    uint f = row * COOP_C_LINE4 * 4u + col;
+                    coop_b4[f >> 2][f & 3u] = floatBitsToUint(v);
+                } else {
+                    partial[base + row * stride + col] = v;
+                }
+            }
         }
 }
 #endif
@@ -145,10 +162,11 @@ void coop_emu_store(uint base, uint stride, uint nr) {
 // COOP_KSTEP apart), stored to the includer's partial[] (fp32): m-tile mt, n-tile nt of the band at
 // out_base + mt * 16 * out_stride + nt * 16, rows out_stride apart (out_base: the band's first column of the
 // tile's first row); m-tiles wholly past row nr are not stored (so a partial tile writes only ceil(nr / 16) * 16
-// rows). kt0, kt1 and nr are workgroup-uniform. The accumulators are locals of this one function (the NVIDIA
-// driver gave wrong sums for a module-level array of them).
+// rows). With c_in_shared the tile goes to shared memory instead (coop_c_at reads it after a barrier; out_base and
+// out_stride unused). kt0, kt1, nr and c_in_shared are workgroup-uniform. The accumulators are locals of this one
+// function (the NVIDIA driver gave wrong sums for a module-level array of them).
 void coop_gemm(int a_src, int b_src, int kb, uint b_base, uint row0, uint nr, uint k, uint tiles_n, uint band,
-               uint kt0, uint kt1, uint out_base, uint out_stride) {
+               uint kt0, uint kt1, uint out_base, uint out_stride, bool c_in_shared) {
 #ifdef COOP_EMULATE
     for (uint i = 0u; i < COOP_SMT * COOP_SNT * 8u; ++i) coop_emu[i] = 0.0;
 #else
@@ -203,15 +221,20 @@ void coop_gemm(int a_src, int b_src, int kb, uint b_base, uint row0, uint nr, ui
         barrier();
     }
 #ifdef COOP_EMULATE
-    coop_emu_store(out_base, out_stride, nr);
+    coop_emu_store(out_base, out_stride, nr, c_in_shared);
 #else
     [[unroll]] for (uint i = 0u; i < COOP_SMT; ++i) {
         uint mt = sm * COOP_SMT + i;
-        [[unroll]] for (uint j = 0u; j < COOP_SNT; ++j)
-            if (mt * 16u < nr)
-                coopMatStore(acc[i * COOP_SNT + j], partial,
-                             out_base + mt * 16u * out_stride + (sn * COOP_SNT + j) * 16u, out_stride,
+        [[unroll]] for (uint j = 0u; j < COOP_SNT; ++j) {
+            if (mt * 16u >= nr) continue;
+            uint nt = sn * COOP_SNT + j;
+            if (c_in_shared)  // element and stride in uvec4 (4 floats)
+                coopMatStore(acc[i * COOP_SNT + j], coop_b4, mt * 16u * COOP_C_LINE4 + nt * 4u, COOP_C_LINE4,
                              gl_CooperativeMatrixLayoutRowMajor);
+            else
+                coopMatStore(acc[i * COOP_SNT + j], partial, out_base + mt * 16u * out_stride + nt * 16u,
+                             out_stride, gl_CooperativeMatrixLayoutRowMajor);
+        }
     }
 #endif
 }

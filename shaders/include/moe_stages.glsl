@@ -225,6 +225,11 @@ shared uint coop_row[COOP_BM];
 #define COOP_A_AHEAD
 uvec4 coop_a_word4(int src, uint index) { return gemm_a_word4(src, index); }
 #include "exl3_gemm_coop.glsl"
+// A down item with one k-split keeps its tile in shared memory (moe_down), and stage 5 reads the pass row's row
+// stage5_tile_row there (coop_c_at) instead of its partial. Private variables, not parameters, so that the FMA
+// builds (no such tile) compile as before.
+bool down_tile_in_shared = false;
+uint stage5_tile_row = 0u;
 uvec4 gemm_a_word4(const int src, uint index) { return src == A_STATES ? states4[index] : inter4[index]; }
 #else
 #include "exl3_gemm.glsl"
@@ -581,7 +586,7 @@ void moe_gate_up(uint item) {
     if (tid < COOP_BM) coop_row[tid] = proj * R() + moe_row_flat(p0 + min(tid, nr - 1u));
     barrier();
     coop_gemm(A_STATES, int(proj), k_bits, b_base, 0u, nr, pc.H, tiles_n, band, kt0, kt1,
-              base + q0 * pc.I + band * BAND, pc.I);
+              base + q0 * pc.I + band * BAND, pc.I, false);  // stage 3 reads the gate and the up items' tiles
     bool last = wg_last_arrival(counter, arrivals);
 #else
     // Direct mode: the one row's A is built in gemm_red for whole 128-blocks from kt0's block on
@@ -717,9 +722,14 @@ void moe_down(uint item) {
     uint tid = gl_LocalInvocationID.x;
     if (tid < COOP_BM) coop_row[tid] = p0 + min(tid, nr - 1u);  // inter rows are the chunk's sorted rows
     barrier();
+    // With one k-split the tile is its band's whole sum and stage 5 its only reader: it stays in shared memory
+    // instead of a round trip through partial[] (DESIGN.md, "The MoE stages on cooperative matrices").
+    down_tile_in_shared = pc.splits_d == 1u;
     coop_gemm(A_INTER, 2, K_DOWN, b_base, 0u, nr, pc.I, tiles_n, band, kt0, kt1,
-              base + q0 * pc.H + band * BAND, pc.H);
-    bool last = wg_last_arrival(counter, pc.splits_d);
+              base + q0 * pc.H + band * BAND, pc.H, down_tile_in_shared);
+    bool last = true;
+    if (down_tile_in_shared) barrier();
+    else last = wg_last_arrival(counter, pc.splits_d);
 #else
     // STAGE3_IN_DOWN: A is the item's own stage-3 output in gemm_red, row r's blocks b0 .. at unit r * nb, so A
     // word 8 kt of row r is gemm_red word 64 (r nb + kt / 8 - b0) + 8 (kt % 8).
@@ -762,12 +772,19 @@ void moe_down(uint item) {
 }
 
 // One pass row of a down tail, into had_v: the k-split sum of the row's down partials (from word `partial`, split
-// order) rounded to fp16 (the down GEMM output), the output Hadamard, then the routing weight (rounded to fp16) and
-// svh (from element se of down_svh). The weight and svh are requested with the partials, before the transform (as
-// in stage 3). Every lane calls it: split_sum's loop and the transform must not diverge.
+// order; or the only split's row stage5_tile_row of the tile in shared memory, see down_tile_in_shared) rounded
+// to fp16 (the down GEMM output), the output Hadamard, then the routing weight (rounded to fp16) and svh (from
+// element se of down_svh). The weight and svh are requested with the partials, before the transform (as in stage
+// 3). Every lane calls it: split_sum's loop and the transform must not diverge.
 void stage5_row_out(uint partial, uint se, float weight) {
     float w16 = rn16(weight), sv[HAD_MAX_VALS];
     [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) sv[j] = f16_at(down_svh[(se + j) >> 1], se + j);
+#ifdef MOE_COOP
+    if (down_tile_in_shared) {  // split_sum_had's arithmetic for one split: 0.0 + x (the same bits)
+        [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j)
+            had_v[j] = 0.0 + coop_c_at(stage5_tile_row, had_col0() + j);
+    } else
+#endif
     split_sum_had(partial, partial_rows() * pc.H, pc.splits_d);
     had_round_pairs();
     had_transform();
@@ -844,6 +861,9 @@ void moe_stage5(uint e, uint p0, uint q0, uint nr, uint band) {
     for (uint r0 = 0u; r0 < nr; r0 += HAD_PASS_ROWS) {
         uint r = r0 + had_row(), q = q0 + min(r, nr - 1u);  // every lane loops the same (see moe_stage3)
         uint fidx = moe_row_flat(p0 + min(r, nr - 1u));
+#ifdef MOE_COOP
+        stage5_tile_row = min(r, nr - 1u);  // the chunk's row r is the tile's
+#endif
         stage5_row_out(partial_down() + q * pc.H + h0, se, expert_weights[fidx]);
         [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j)
             if (r < nr) rows_out[fidx * pc.H + h0 + j] = had_v[j];
