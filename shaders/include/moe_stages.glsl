@@ -225,11 +225,6 @@ shared uint coop_row[COOP_BM];
 #define COOP_A_AHEAD
 uvec4 coop_a_word4(int src, uint index) { return gemm_a_word4(src, index); }
 #include "exl3_gemm_coop.glsl"
-// A down item with one k-split keeps its tile in shared memory (moe_down), and stage 5 reads the pass row's row
-// stage5_tile_row there (coop_c_at) instead of its partial. Private variables, not parameters, so that the FMA
-// builds (no such tile) compile as before.
-bool down_tile_in_shared = false;
-uint stage5_tile_row = 0u;
 uvec4 gemm_a_word4(const int src, uint index) { return src == A_STATES ? states4[index] : inter4[index]; }
 #else
 #include "exl3_gemm.glsl"
@@ -694,6 +689,19 @@ uint down_items_per_chunk() { return (pc.H / 128u) * pc.splits_d; }
 // instead of reusing them: a chunk's down GEMM runs while other chunks are still in gate/up. The split dispatches
 // are separated by pipeline barriers and reuse the space (layout.scratch_bytes sizes both).
 // Stage 3 in the down items reads the gate/up partials during the down dispatch too.
+// A down item with one k-split (and, on the FMA core, one block of <= 4 rows) keeps its band's sums in shared
+// memory (moe_down), and stage 5 reads the pass row's row stage5_tile_row there (down_tile_at) instead of its
+// partial: no round trip through partial[] and no device-scope barrier between the GEMM and its tail.
+bool down_tile_in_shared = false;
+uint stage5_tile_row = 0u;
+float down_tile_at(uint r, uint col) {
+#ifdef MOE_COOP
+    return coop_c_at(r, col);
+#else
+    return gemm_red_sum(r, col);  // gemm_finish_partial's value, from the k-slices gemm_stage_rows(0) left there
+#endif
+}
+
 uint partial_down() {
     return pc.num_workgroups != 0u || STAGE3_IN_DOWN ? 2u * pc.splits_gu * partial_rows() * pc.I : 0u;
 }
@@ -755,7 +763,18 @@ void moe_down(uint item) {
     uint arrivals = DIRECT ? moe_token_slots(t) * pc.splits_d : pc.splits_d;
     if (DIRECT) counter = counters_tok() + t * (pc.H / 128u) + band;
     MOE_CLOCK_FIRST_DOWN(CLOCK_FIRST_DOWN_GEMM);
-    bool last = gemm_finish_partial(base, pc.H, p0, nr, band, counter, arrivals);
+    // One k-split of one row block (routed mode: the direct mode's token tail sums every slot's partial) stays in
+    // gemm_red: gemm_finish_partial writes nothing and counts nothing (0 rows, 0 arrivals) and the rows are staged
+    // here (a branch with barriers but no loop: Mesa 22.3, see moe_gate_up).
+    down_tile_in_shared = !DIRECT && pc.splits_d == 1u && nr <= 4u;
+    bool last = gemm_finish_partial(base, pc.H, p0, down_tile_in_shared ? 0u : nr, band, counter,
+                                    down_tile_in_shared ? 0u : arrivals);
+    if (down_tile_in_shared) {
+        barrier();
+        gemm_stage_rows(0u);
+        barrier();
+        last = true;
+    }
 #ifdef MOE_DEPENDENCY_WAITS
     moe_users_end(counters_chunk_users() + c, dep_before, down_items_per_chunk(), counters_chunk_done() + c);
 #endif
@@ -779,13 +798,12 @@ void moe_down(uint item) {
 void stage5_row_out(uint partial, uint se, float weight) {
     float w16 = rn16(weight), sv[HAD_MAX_VALS];
     [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) sv[j] = f16_at(down_svh[(se + j) >> 1], se + j);
-#ifdef MOE_COOP
-    if (down_tile_in_shared) {  // split_sum_had's arithmetic for one split: 0.0 + x (the same bits)
-        [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j)
-            had_v[j] = 0.0 + coop_c_at(stage5_tile_row, had_col0() + j);
-    } else
-#endif
-    split_sum_had(partial, partial_rows() * pc.H, pc.splits_d);
+    // The sum's loop runs outside any branch (no split to add when the tile is in shared memory: Mesa 22.3, rule 2
+    // in DESIGN.md); the tile's value is split_sum_had's arithmetic for one split, 0.0 + x (the same bits).
+    split_sum_had(partial, partial_rows() * pc.H, down_tile_in_shared ? 0u : pc.splits_d);
+    if (down_tile_in_shared) {
+        [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) had_v[j] = 0.0 + down_tile_at(stage5_tile_row, had_col0() + j);
+    }
     had_round_pairs();
     had_transform();
     [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) had_v[j] = (had_v[j] * (HAD_SCALE * w16)) * sv[j];
@@ -861,9 +879,7 @@ void moe_stage5(uint e, uint p0, uint q0, uint nr, uint band) {
     for (uint r0 = 0u; r0 < nr; r0 += HAD_PASS_ROWS) {
         uint r = r0 + had_row(), q = q0 + min(r, nr - 1u);  // every lane loops the same (see moe_stage3)
         uint fidx = moe_row_flat(p0 + min(r, nr - 1u));
-#ifdef MOE_COOP
         stage5_tile_row = min(r, nr - 1u);  // the chunk's row r is the tile's
-#endif
         stage5_row_out(partial_down() + q * pc.H + h0, se, expert_weights[fidx]);
         [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j)
             if (r < nr) rows_out[fidx * pc.H + h0 + j] = had_v[j];
