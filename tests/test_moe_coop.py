@@ -85,6 +85,18 @@ def test_plan_choice(monkeypatch, device):
     assert not plan.moe_plan(device, 1024, 8, 128, 2048, 768, True).coop
 
 
+def test_default_switch_point(monkeypatch, device):
+    """Auto takes the coop stages from 3 (token, slot) rows per expert (VKMOE_COOPMAT_MOE_MIN_ROWS' default, the
+    H100's measured switch point): m = 48 on the Qwen3 shape (top-8 of 128), 96 on DeepSeek-V3's (top-8 of 256)."""
+    monkeypatch.setattr(plan, "coop_moe_unavailable", lambda d: None)
+    monkeypatch.setattr(plan, "coop_probe_failure", lambda d: None)
+    monkeypatch.setenv("VKMOE_COOPMAT", "auto")
+    monkeypatch.delenv("VKMOE_COOPMAT_MOE_MIN_ROWS", raising=False)
+    for m, E, H, I, coop in ((47, 128, 2048, 768, False), (48, 128, 2048, 768, True),
+                             (95, 256, 7168, 2048, False), (96, 256, 7168, 2048, True)):
+        assert plan.moe_plan(device, m, 8, E, H, I, True).coop == coop, (m, E)
+
+
 def _skip_with_the_feature(device):
     if plan.coop_moe_unavailable(device) is None:
         pytest.skip(f"{device.name} has VK_KHR_cooperative_matrix: this test is about a device without it")

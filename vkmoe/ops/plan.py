@@ -137,9 +137,11 @@ def use_coop(device, m, moe=None):
                              f"{' of the MoE stages' if moe else ''}: {reason}")
         return True
     if moe:
-        # chunks of COOP_MOE_ROWS = 16 rows of one expert: worth it once experts get a few rows each (H200,
-        # tools/bench_moe, us, coop vs FMA: Qwen3 shape m = 64 at 4 rows per expert 499 vs 471, m = 128 at 8 rows
-        # 531 vs 723; DeepSeek-V3 m = 64 at 2 rows 6067 vs 4132, m = 128 at 4 rows 6908 vs 6820; BENCHMARKS.md)
+        # chunks of COOP_MOE_ROWS = 16 rows of one expert: worth it once experts get a few rows each. H100 at
+        # a89d00e (tools/bench_moe --coopmat off,on, us, FMA vs coop): Qwen3 shape 2.5 rows per expert (m = 40)
+        # 322 vs 320, 3 rows (m = 48) 362 vs 344, 4 (m = 64) 442 vs 351; DeepSeek-V3 2.5 rows (m = 80) 4654 vs
+        # 4780, 3 (m = 96) 5155 vs 4863, 4 (m = 128) 6558 vs 5121 (BENCHMARKS.md, fortieth session; the H200 had
+        # put it at 6 before the coop stages' A-ahead and shared-memory down tails)
         top_k, E = moe
         big_enough = m * top_k >= knobs.get("VKMOE_COOPMAT_MOE_MIN_ROWS") * E
     else:
