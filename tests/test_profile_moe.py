@@ -50,6 +50,10 @@ def test_the_tool_names_and_times_each_phase_of_the_plan_it_ran(tmp_path):
         assert f"{r['median_us']:8.1f}" in line and r["plan"]["m"] == r["m"], (line, r)
         assert list(r["phases_median_us"]) == \
             runpy.run_path(TOOL, run_name="profile_moe")["phase_names"](SimpleNamespace(**r["plan"]))
+        # the persistent kernel's total on the same buffers, or why it did not run (never both, never neither)
+        p = r["persistent"]
+        assert (p["median_us"] is None) != (p["reason"] is None), p
+        assert p["median_us"] is None or (p["median_us"] > 0 and "persistent total" in out.stdout), p
 
 
 def test_io_call_profiles_with_the_call_paths_buffers(tmp_path):
