@@ -58,8 +58,9 @@ shared uvec4 coop_a4[COOP_BM * COOP_LINE4];
 // the k-loop's last barrier has passed (COOP_BM lines of 33 uvec4 fit its BAND lines of COOP_LINE4 >= 9). Lines
 // padded by 4 floats, so that a matrix store's 16 rows start on distinct bank groups.
 #define COOP_C_LINE4 (BAND / 4u + 1u)
+#define COOP_C_INDEX(r, c) ((r) * COOP_C_LINE4 * 4u + (c))  // the float of row r, column c
 float coop_c_at(uint r, uint c) {
-    uint i = r * COOP_C_LINE4 * 4u + c;
+    uint i = COOP_C_INDEX(r, c);
     return uintBitsToFloat(coop_b4[i >> 2][i & 3u]);
 }
 
@@ -148,7 +149,7 @@ void coop_emu_store(uint base, uint stride, uint nr, bool c_in_shared) {
                 float v = coop_emu[(i * COOP_SNT + j) * 8u + e];
                 if (mt * 16u >= nr) continue;
                 if (c_in_shared) {
-                    uint f = row * COOP_C_LINE4 * 4u + col;
+                    uint f = COOP_C_INDEX(row, col);
                     coop_b4[f >> 2][f & 3u] = floatBitsToUint(v);
                 } else {
                     partial[base + row * stride + col] = v;
