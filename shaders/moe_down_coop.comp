@@ -1,6 +1,6 @@
 #version 450
 // vkmoe-compiler: glslang
-// vkmoe-variants: idot=-DEXL3_IDOT emulate=-DCOOP_EMULATE
+// vkmoe-variants: idot=-DEXL3_IDOT emulate=-DCOOP_EMULATE discover=-DMOE_DISCOVERY idot_discover=-DEXL3_IDOT,-DMOE_DISCOVERY emulate_discover=-DCOOP_EMULATE,-DMOE_DISCOVERY
 // Split path, dispatch 3 of 4, on cooperative matrices (moe_stages.glsl with MOE_COOP): the down GEMM; the last
 // k-split of a band writes the weighted (token, slot) rows (stage 5); moe_token_sum.comp sums the tokens after it.
 // Chunks of up to COOP_MOE_ROWS rows of one expert (the routing ran with GEMM_ROWS = that). Grid as in
@@ -15,6 +15,22 @@ layout(local_size_x = 256) in;
 #include "moe_bindings.glsl"
 #define COOP_BM COOP_MOE_ROWS
 #include "moe_stages.glsl"
+#ifdef MOE_DISCOVERY
+// The discovery build (`_discover`): this stage plus the persistent kernel's co-residency discovery mode, so that
+// tools/profile_moe --co-resident can count how many of its workgroups a device keeps resident (the split path
+// itself needs no co-residency).
+#define SYNC_BUF sync_words
+#define SYNC_POLLS 32
+#include "sync.glsl"
+#include "occupancy.glsl"
+#include "moe_discover.glsl"
+#endif
 void main() {
+#ifdef MOE_DISCOVERY
+    if (pc.mode == MOE_MODE_DISCOVER) {
+        discover();
+        return;
+    }
+#endif
     if (gl_WorkGroupID.y < routed_chunks()) moe_down(gl_WorkGroupID.y * down_items_per_chunk() + gl_WorkGroupID.x);
 }

@@ -71,6 +71,39 @@ def test_emulated_stages(monkeypatch, device, emulated, H, I, E, top_k, m, bits,
         assert np.all(y[m - 1] == 0.0)  # a token with no valid slot: a zero row
 
 
+def test_coop_stages_count_their_co_residency(monkeypatch, tmp_path, device, emulated):
+    """Exl3MoeMlp.co_resident_coop: each coop stage's discovery build (`_discover`: the stage's own source and
+    specialization) counts its co-resident workgroups, at most lavapipe's worker threads, and the count is cached
+    per pipeline like the persistent kernel's."""
+    import json
+
+    from vkmoe.sched import occupancy
+
+    monkeypatch.setenv("VKMOE_CACHE_DIR", str(tmp_path))
+    occupancy._measured.clear()
+    gate, up, down = random_moe_layer(256, 256, 3, seed=8)
+    with vkmoe.Exl3MoeMlp(device, gate, up, down) as moe:
+        p = moe._scratch_for(120, 2).plan
+        assert p.coop
+        counts = {stage: moe.co_resident_coop(p, stage) for stage in ("gate_up", "down")}
+        for c in counts.values():
+            assert c["launched"] == occupancy.launch_size(device) > c["min"] >= 1, c
+            if device.is_lavapipe:
+                assert max(c["samples"]) <= device.compute_units, c
+        entries = json.load(open(tmp_path / "residency.json"))
+        (pipelines,) = [v["pipelines"]["entries"] for v in entries.values() if "pipelines" in v]
+        for stage in ("gate_up", "down"):
+            (key,) = [k for k in pipelines if k.startswith(f"moe_{stage}_coop_emulate_discover@")]
+            assert pipelines[key]["min"] == counts[stage]["min"]
+        with pytest.raises(ValueError, match="stage must be 'gate_up' or 'down'"):
+            moe.co_resident_coop(p, "route")
+        monkeypatch.setenv("VKMOE_COOPMAT", "off")
+        fma = plan.moe_plan(device, 2, 2, 3, 256, 256, True)
+        assert not fma.coop
+        with pytest.raises(ValueError, match="runs the FMA stages"):
+            moe.co_resident_coop(fma, "gate_up")
+
+
 # ------------------------------------------------------------------------------------------ the choice
 def test_plan_choice(monkeypatch, device):
     monkeypatch.setattr(plan, "coop_moe_unavailable", lambda d: None)

@@ -64,3 +64,15 @@ def test_io_call_profiles_with_the_call_paths_buffers(tmp_path):
     assert out.returncode == 0, out.stderr
     doc = json.loads(path.read_text())
     assert doc["io"] == "call" and [r["m"] for r in doc["results"]] == [1] and doc["results"][0]["median_us"] > 0
+
+
+def test_co_resident_says_why_an_fma_batch_is_not_counted(tmp_path):
+    """--co-resident counts the coop stages' workgroups (lavapipe has no cooperative matrices: tests/test_moe_coop.py
+    tests the count through the emulate builds); an FMA batch gets the reason, printed and in the JSON."""
+    path = tmp_path / "profile.json"
+    out = subprocess.run([sys.executable, TOOL, "--shape", "small", "--m", "1", "--iters", "1", "--co-resident",
+                          "--json", str(path)], cwd=REPO, env=python_env(), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert "co-resident workgroups: not counted: m=1 runs the FMA stages" in out.stdout, out.stdout
+    (r,) = json.loads(path.read_text())["results"]
+    assert "FMA stages" in r["co_resident"]["reason"]

@@ -44,6 +44,12 @@ _WEIGHT_DTYPES = frozenset(map(np.dtype, (np.float16, np.float32, np.float64)))
 STATUS_BYTES = 16       # after the (m, H) output in the readback buffer: the persistent launch's abort word
 
 
+def _pipeline_key(pipe):
+    """A pipeline's key in the co-residency cache: its binary's name and digest and its specialization."""
+    return (f"{pipe.name}@{kernels.binary_digest(pipe.name)}:"
+            + ",".join(f"{k}={int(v)}" for k, v in sorted(pipe.spec.items())))
+
+
 class MoePush(PushConstants):
     fields = [("m", "<u4"), ("top_k", "<u4"), ("E", "<u4"), ("H", "<u4"), ("I", "<u4"), ("max_chunks", "<u4"),
               ("splits_gu", "<u4"), ("kt_gu", "<u4"), ("splits_d", "<u4"), ("kt_d", "<u4"),
@@ -72,15 +78,29 @@ def split_kernels(device, plan, spec, H, I, gated):
     coop build)."""
     grids = layout.split_grids(plan, H, I, gated)
     if plan.coop:
-        coop_spec = {**spec, layout.SPEC_F16_FMA_FUSED: kernels.f16_fma_fused(device)}
-        shaders = (("moe_route", False, spec), (kernels.coop_moe_name(device, "gate_up"), False, coop_spec),
-                   (kernels.coop_moe_name(device, "down"), False, coop_spec))
+        cspec = coop_spec(device, spec)
+        shaders = (("moe_route", False, spec), (kernels.coop_moe_name(device, "gate_up"), False, cspec),
+                   (kernels.coop_moe_name(device, "down"), False, cspec))
     else:
         shaders = (("moe_route", False, spec), ("moe_gate_up", True, spec), ("moe_down", True, spec))
     shaders += (("moe_token_sum", False, spec),)
     return [(stage, kernels.pipeline(device, shader, MoePush, s, decode=decode, binding_count=MOE_BINDINGS), grid)
             for stage, (shader, decode, s), grid in zip(("route", "gate_up", "down", "token_sum"), shaders, grids)
             if grid is not None]
+
+
+def coop_spec(device, spec):
+    """The specialization of the cooperative-matrix stages: the MoE's, plus the device's fused-fp16 quirk (their
+    decode is the packed fp16 one)."""
+    return {**spec, layout.SPEC_F16_FMA_FUSED: kernels.f16_fma_fused(device)}
+
+
+def coop_discovery_kernel(device, spec, stage):
+    """The discovery build of cooperative-matrix `stage` ("gate_up" or "down"): the stage's own source and
+    specialization with the persistent kernel's co-residency discovery mode, for counting how many of its workgroups
+    the device keeps resident (Exl3MoeMlp.co_resident_coop); it never runs the stage."""
+    return kernels.pipeline(device, kernels.coop_moe_name(device, stage), MoePush, coop_spec(device, spec),
+                            binding_count=MOE_BINDINGS, build="discover")
 
 
 def paced_spin_spec(device):
@@ -598,10 +618,21 @@ class Exl3MoeMlp:
         """How many workgroups of the persistent pipeline for this batch plan the device keeps resident at once,
         measured by that pipeline itself in its discovery mode (once per pipeline and device; vkmoe.sched.occupancy)."""
         pipe = self._persistent_pipeline(plan)
-        key = (f"{pipe.name}@{kernels.binary_digest(pipe.name)}:"
-               + ",".join(f"{k}={int(v)}" for k, v in sorted(pipe.spec.items())))
         with self._call_lock:  # the shape's buffers are in use until the measurement ends
-            return self._measure_co_resident(pipe, key, plan)
+            return self._measure_co_resident(pipe, _pipeline_key(pipe), plan)
+
+    def co_resident_coop(self, plan, stage):
+        """How many workgroups of cooperative-matrix `stage` ("gate_up" or "down") of coop batch plan `plan` the
+        device keeps resident at once, counted by the stage's discovery build (coop_discovery_kernel: same source and
+        specialization; cached as co_resident). For studying the split path's occupancy (tools/profile_moe
+        --co-resident): the split dispatches themselves need no co-residency."""
+        if not plan.coop:
+            raise ValueError(f"co_resident_coop: plan for m={plan.m} runs the FMA stages, not cooperative matrices")
+        if stage not in ("gate_up", "down"):
+            raise ValueError(f"co_resident_coop: stage must be 'gate_up' or 'down', got {stage!r}")
+        pipe = coop_discovery_kernel(self.device, self._spec(plan), stage)
+        with self._call_lock:
+            return self._measure_co_resident(pipe, _pipeline_key(pipe), plan)
 
     def _measure_co_resident(self, pipe, key, plan):
         scratch = self._scratch_for(plan.m, plan.top_k)
