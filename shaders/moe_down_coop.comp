@@ -15,14 +15,7 @@ layout(local_size_x = 256) in;
 #include "moe_bindings.glsl"
 #define COOP_BM COOP_MOE_ROWS
 #include "moe_stages.glsl"
-#ifdef MOE_DISCOVERY
-// The discovery build (`_discover`): this stage plus the persistent kernel's co-residency discovery mode, so that
-// tools/profile_moe --co-resident can count how many of its workgroups a device keeps resident (the split path
-// itself needs no co-residency).
-#define SYNC_BUF sync_words
-#define SYNC_POLLS 32
-#include "sync.glsl"
-#include "occupancy.glsl"
+#ifdef MOE_DISCOVERY  // the discovery build (`_discover`: moe_discover.glsl)
 #include "moe_discover.glsl"
 #endif
 void main() {
