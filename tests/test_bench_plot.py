@@ -16,7 +16,7 @@ def bench():
 def row(m, mode, median, p10, p90, experts=8):
     return {"m": m, "mode": mode, "median_us": median, "p10_us": p10, "p90_us": p90, "min_us": p10,
             "distinct_experts": experts, "flags": [], "effective_gb_per_s": 1.0,
-            "exllamav3_h200_us": {1: 38.9, 64: 511.2}.get(m)}
+            "exllamav3_us": {1: 38.9, 64: 511.2}.get(m)}
 
 
 def doc_for(results, cpu_tier=()):
@@ -24,8 +24,8 @@ def doc_for(results, cpu_tier=()):
                       "activation": "silu"},
             "device": {"name": "Test GPU"}, "vkmoe_version": "9.8.7", "commit": "abc1234+working tree",
             "trellis_bytes_per_expert": 2048 * 768 * 3 // 2, "results": list(results), "cpu_tier": list(cpu_tier),
-            "reference": {"exllamav3_h200_us": {1: 38.9, 4: 94.0, 16: 373.7, 64: 511.2},
-                          "llamacpp_h200_us": {1: 34.2, 64: 1310.0}}}
+            "reference": {"gpu": "H200", "same_gpu": False, "exllamav3_us": {1: 38.9, 4: 94.0, 16: 373.7, 64: 511.2},
+                          "llamacpp_us": {1: 34.2, 64: 1310.0}}}
 
 
 @pytest.mark.parametrize("split, persistent, winner", [
@@ -65,6 +65,21 @@ def test_store_crossover_stores_only_a_clear_result(bench, monkeypatch):
     doc = doc_for([row(1, "split", 50, 40, 60), row(1, "persistent", 49, 39, 59)])
     bench["store_crossover"](None, doc)
     assert stored == [] and doc["crossover_max_m"] is None
+
+
+def test_reference_figures_are_those_of_the_same_gpu(bench):
+    """An H100 is compared with exllamav3 measured on an H100, an H200 with the H200's figures; any other device
+    with the H200's, saying that they come from another GPU."""
+    ref = bench["reference_for"]
+    h100 = ref("NVIDIA H100 80GB HBM3", "qwen3")
+    assert h100["gpu"] == "H100" and h100["same_gpu"] and h100["exllamav3_us"][1] == 39.2
+    assert h100["llamacpp_us"] == {}
+    h200 = ref("NVIDIA H200", "deepseek")
+    assert h200["gpu"] == "H200" and h200["same_gpu"] and h200["exllamav3_us"][1024] == 15678.0
+    assert h200["llamacpp_us"] == {1: 716.0, 64: 11235.0}
+    other = ref("llvmpipe (LLVM 15.0.6, 256 bits)", "qwen3")
+    assert other["gpu"] == "H200" and not other["same_gpu"] and other["exllamav3_us"][1] == 38.9
+    assert ref("NVIDIA H100 80GB HBM3", "small")["exllamav3_us"] == {}
 
 
 def test_plot(bench, tmp_path, monkeypatch):
