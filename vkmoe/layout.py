@@ -62,7 +62,8 @@ COOP_PAD = 8
 COOP_MOE_ROW_SLACK = TILE - 1
 # Rows of the MoE cooperative-matrix stages' tile, so the most rows of one of their chunks. 16 (one m-tile), not
 # the linear's 64: at prefill sizes most experts hold a few to a few dozen rows, and the 16-row tile needs 74
-# registers instead of 118 (three workgroups per SM on the H200 instead of two) and multiplies no empty m-tiles;
+# registers instead of 118, less shared memory (what sets these stages' occupancy: docs/DESIGN.md) and multiplies
+# no empty m-tiles;
 # it ran DeepSeek-V3 m = 256 in 7.5 ms instead of 15.8 and the Qwen3 shape's m = 1024 in 2.35 ms instead of 2.60
 # (BENCHMARKS.md, sixth session), even though an expert of 64 rows then decodes its weights four times.
 COOP_MOE_ROWS = 16

@@ -185,7 +185,8 @@ void coop_gemm(int a_src, int b_src, int kb, uint b_base, uint row0, uint nr, ui
     for (uint kt = kt0; kt < kt1; kt += COOP_KSTEP) {
 #ifdef COOP_A_AHEAD
         // The MoE's 16-row tile: its A share (one 16-byte load or none per invocation, gathered rows that need
-        // not be in L2) held across the multiplications costs 6-8 registers (still three workgroups per SM), and
+        // not be in L2) held across the multiplications costs 6-8 registers (which do not limit the stages'
+        // occupancy: shared memory does, two workgroups per SM on the H100; DESIGN.md), and
         // waiting for it at every step cost the H100 9-12 % of the gate/up phase (BENCHMARKS.md, thirty-ninth
         // session).
         coop_store_a(a);
