@@ -67,6 +67,8 @@ COOP_MOE_ROW_SLACK = TILE - 1
 # it ran DeepSeek-V3 m = 256 in 7.5 ms instead of 15.8 and the Qwen3 shape's m = 1024 in 2.35 ms instead of 2.60
 # (BENCHMARKS.md, sixth session), even though an expert of 64 rows then decodes its weights four times.
 COOP_MOE_ROWS = 16
+# The MoE's cooperative-matrix stages, by the name in their shaders' file names (moe_{stage}_coop.comp).
+COOP_MOE_STAGES = ("gate_up", "down")
 # The most rows of an FMA-path expert chunk (GEMM_ROWS: ops.plan.rows_for, VKMOE_MOE_ROWS).
 MOE_ROWS_MAX = 16
 

@@ -628,8 +628,9 @@ class Exl3MoeMlp:
         --co-resident): the split dispatches themselves need no co-residency."""
         if not plan.coop:
             raise ValueError(f"co_resident_coop: plan for m={plan.m} runs the FMA stages, not cooperative matrices")
-        if stage not in ("gate_up", "down"):
-            raise ValueError(f"co_resident_coop: stage must be 'gate_up' or 'down', got {stage!r}")
+        if stage not in layout.COOP_MOE_STAGES:
+            raise ValueError(f"co_resident_coop: stage must be {' or '.join(map(repr, layout.COOP_MOE_STAGES))}, "
+                             f"got {stage!r}")
         pipe = coop_discovery_kernel(self.device, self._spec(plan), stage)
         with self._call_lock:
             return self._measure_co_resident(pipe, _pipeline_key(pipe), plan)

