@@ -271,8 +271,11 @@ def coop_shared_bytes(rows):
 
 def coop_moe_shared_bytes():
     """Shared memory of moe_gate_up_coop.comp / moe_down_coop.comp: the linear's tile of COOP_MOE_ROWS rows
-    (coop_shared_bytes) plus the tile's A row indices and stage 5's token-done flags (one word per chunk row)."""
-    return coop_shared_bytes(COOP_MOE_ROWS) + 4 * COOP_MOE_ROWS + 4 * COOP_MOE_ROWS
+    (coop_shared_bytes) less the shared-memory Hadamard's rows, which lie in the A tile (moe_stages.glsl), plus the
+    tile's A row indices and stage 5's token-done flags (one word per chunk row)."""
+    a_tile, had_rows = COOP_MOE_ROWS * 2 * (COOP_KSTEP * TILE + COOP_PAD), 4 * HAD_SHARED_ROWS * BAND
+    assert a_tile >= had_rows, "the Hadamard's rows must fit the A tile they borrow"
+    return coop_shared_bytes(COOP_MOE_ROWS) - had_rows + 4 * COOP_MOE_ROWS + 4 * COOP_MOE_ROWS
 
 
 def dequant_grid(k, n):

@@ -8,7 +8,7 @@
 //   elements l * V .. l * V + V - 1 (V = 128 / S) in registers; stages narrower than V are butterflies inside an
 //   invocation, the wider ones pair invocation l with l ^ (w / V) through subgroupShuffleXor. No barrier: the
 //   256 / S subgroups of a workgroup transform 256 / S rows at once, each on its own.
-// - shared memory (HAD_SUBGROUP = 0): the rows go through `had_buf` and had_fwht (a barrier after each stage),
+// - shared memory (HAD_SUBGROUP = 0): the rows go through shared memory (HAD_BUF_*) and had_fwht (a barrier after each stage),
 //   HAD_SHARED_ROWS at a time; "lanes" of HAD_SHARED_LANES invocations stand in for the subgroups.
 // Both do the same fp32 additions and subtractions of the same operands, so their outputs are bit-identical
 // (tests/test_hadamard.py runs every op both ways).
@@ -38,8 +38,15 @@ uint had_row() { return HAD_IN_SUBGROUP ? gl_SubgroupID : gl_LocalInvocationID.x
 uint had_lane() { return HAD_IN_SUBGROUP ? gl_SubgroupInvocationID : gl_LocalInvocationID.x % HAD_LANES; }
 uint had_col0() { return had_lane() * HAD_VALS; }
 
-// The shared-memory transform. A fixed size (Mesa 22.3 rule: no shared array sized by a specialization constant).
+// The shared-memory transform's HAD_SHARED_ROWS rows of 128 fp32, through HAD_BUF_LOAD(i) / HAD_BUF_STORE(i, v). Its own
+// array of a fixed size (Mesa 22.3 rule: no shared array sized by a specialization constant), unless the includer
+// lends one of its own that is free whenever a transform or a caller's use of the rows runs (defining both macros
+// before including this file; the MoE's cooperative-matrix stages lend their A tile: moe_stages.glsl).
+#ifndef HAD_BUF_LOAD
 shared float had_buf[HAD_SHARED_ROWS * 128];
+#define HAD_BUF_LOAD(i) had_buf[i]
+#define HAD_BUF_STORE(i, v) had_buf[i] = (v)
+#endif
 
 // In-place FWHT of had_buf rows 0 .. nrows-1 (nrows <= HAD_SHARED_ROWS). The caller has written the rows and
 // passed a barrier(); on return the transformed rows are visible to the whole workgroup.
@@ -53,9 +60,9 @@ void had_fwht(uint nrows) {
             if (p >= pairs) continue;
             uint row = p >> 6, pi = p & 63u;
             uint i = row * 128u + (pi / w) * (2u * w) + (pi % w);
-            float a = had_buf[i], b = had_buf[i + w];
-            had_buf[i] = a + b;
-            had_buf[i + w] = a - b;
+            float a = HAD_BUF_LOAD(i), b = HAD_BUF_LOAD(i + w);
+            HAD_BUF_STORE(i, a + b);
+            HAD_BUF_STORE(i + w, a - b);
         }
         barrier();
     }
@@ -90,10 +97,10 @@ void had_transform() {
         had_fwht_subgroup();
     } else {
         uint base = had_row() * 128u + had_col0();
-        [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) had_buf[base + j] = had_v[j];
+        [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) HAD_BUF_STORE(base + j, had_v[j]);
         barrier();
         had_fwht(HAD_PASS_ROWS);
-        [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) had_v[j] = had_buf[base + j];
+        [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) had_v[j] = HAD_BUF_LOAD(base + j);
         barrier();  // nobody writes the next pass's rows before every invocation has read these
     }
 }

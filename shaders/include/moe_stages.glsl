@@ -214,7 +214,6 @@ void moe_after_prefetch(const int a_src);
 #endif
 
 #include "exl3_decode.glsl"
-#include "hadamard128.glsl"
 #ifdef MOE_COOP
 // The A row of each row of the chunk's tile (gate/up: gathered by (token, slot); down: the chunk's own rows).
 // 64 words: a multiple of 16 bytes, as every shared variable of a cooperative-matrix shader must be.
@@ -226,7 +225,15 @@ shared uint coop_row[COOP_BM];
 uvec4 coop_a_word4(int src, uint index) { return gemm_a_word4(src, index); }
 #include "exl3_gemm_coop.glsl"
 uvec4 gemm_a_word4(const int src, uint index) { return src == A_STATES ? states4[index] : inter4[index]; }
+// The shared-memory Hadamard's rows (HAD_SHARED_ROWS x 128 fp32, 2 KiB) lie in the A tile, which holds A only
+// inside coop_gemm's k-loop, whose last barrier comes before any tail, and whose first store follows a barrier
+// that ends every use of the rows (had_transform's last, the slot sum's): those 2 KiB are what keeps the 32-row
+// tile within two workgroups per SM on the H100 (layout.coop_moe_shared_bytes; DESIGN.md).
+#define HAD_BUF_LOAD(i) uintBitsToFloat(coop_a4[(i) >> 2u][(i) & 3u])
+#define HAD_BUF_STORE(i, v) coop_a4[(i) >> 2u][(i) & 3u] = floatBitsToUint(v)
+#include "hadamard128.glsl"
 #else
+#include "hadamard128.glsl"
 #include "exl3_gemm.glsl"
 uvec4 gemm_a_word4(const int src, uint index) {
     if (src == A_DIRECT || src == A_STAGE3) {
@@ -814,7 +821,7 @@ void stage5_row_out(uint partial, uint se, float weight) {
 // reduction level instead of a tail per slot and then a token sum after a second counter (that second level cost
 // 5.2 us of the 17.8 us down phase of the Qwen3 shape at m = 1 on the H200: BENCHMARKS.md). Slot s0 + had_row() of
 // a pass is a pass row, so with the subgroup transform all 8 slots of a top-8 token are one pass without a barrier;
-// the slot sum then goes through had_buf, HAD_SHARED_ROWS rows at a time. (It ran the shared-memory transform on 4
+// the slot sum then goes through the transform's shared rows, HAD_SHARED_ROWS rows at a time. (It ran the shared-memory transform on 4
 // slots per pass before: about 22 workgroup barriers per band at top-8, on the critical path of every decode step.)
 void moe_stage5_token(uint t, uint band) {
     uint tid = gl_LocalInvocationID.x, h0 = band * 128u + had_col0();
@@ -828,17 +835,17 @@ void moe_stage5_token(uint t, uint band) {
         // the (token, slot) rows too: forward_rows (a sharded layer) reads them
         [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j)
             if (live) rows_out[f * pc.H + h0 + j] = had_v[j];
-        // The slot sum: rows g .. g + HAD_SHARED_ROWS - 1 of the pass through had_buf, then added in slot order
+        // The slot sum: rows g .. g + HAD_SHARED_ROWS - 1 of the pass through the shared rows, then added in slot order
         for (uint g = 0u; g < HAD_PASS_ROWS && s0 + g < pc.top_k; g += HAD_SHARED_ROWS) {
             if (rr >= g && rr < g + HAD_SHARED_ROWS) {
-                [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) had_buf[(rr - g) * 128u + had_col0() + j] = had_v[j];
+                [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) HAD_BUF_STORE((rr - g) * 128u + had_col0() + j, had_v[j]);
             }
             barrier();
             if (tid < 128u) {
                 [[unroll]] for (uint r = 0u; r < HAD_SHARED_ROWS; ++r) {
                     uint s = s0 + g + r;
                     if (g + r < HAD_PASS_ROWS && s < pc.top_k && valid_expert(expert_ids[t * pc.top_k + s]))
-                        acc += had_buf[r * 128u + tid];
+                        acc += HAD_BUF_LOAD(r * 128u + tid);
                 }
             }
             barrier();
