@@ -1,10 +1,11 @@
 #version 450
 // vkmoe-compiler: glslang
-// vkmoe-variants: idot=-DEXL3_IDOT emulate=-DCOOP_EMULATE discover=-DMOE_DISCOVERY idot_discover=-DEXL3_IDOT,-DMOE_DISCOVERY emulate_discover=-DCOOP_EMULATE,-DMOE_DISCOVERY
+// vkmoe-variants: idot=-DEXL3_IDOT emulate=-DCOOP_EMULATE discover=-DMOE_DISCOVERY idot_discover=-DEXL3_IDOT,-DMOE_DISCOVERY emulate_discover=-DCOOP_EMULATE,-DMOE_DISCOVERY wide=-DCOOP_MOE_WIDE idot_wide=-DEXL3_IDOT,-DCOOP_MOE_WIDE emulate_wide=-DCOOP_EMULATE,-DCOOP_MOE_WIDE wide_discover=-DCOOP_MOE_WIDE,-DMOE_DISCOVERY idot_wide_discover=-DEXL3_IDOT,-DCOOP_MOE_WIDE,-DMOE_DISCOVERY emulate_wide_discover=-DCOOP_EMULATE,-DCOOP_MOE_WIDE,-DMOE_DISCOVERY
 // Split path, dispatch 3 of 4, on cooperative matrices (moe_stages.glsl with MOE_COOP): the down GEMM; the last
 // k-split of a band writes the weighted (token, slot) rows (stage 5); moe_token_sum.comp sums the tokens after it.
-// Chunks of up to COOP_MOE_ROWS rows of one expert (the routing ran with GEMM_ROWS = that). Grid as in
-// moe_down.comp. The emulate build replaces only the matrix-unit multiply (tests on devices without it).
+// Chunks of up to COOP_MOE_ROWS rows of one expert, COOP_MOE_ROWS_WIDE in the _wide builds (the routing ran with
+// GEMM_ROWS = that). Grid as in moe_down.comp. The emulate build replaces only the matrix-unit multiply (tests on
+// devices without it).
 #extension GL_GOOGLE_include_directive : require  // implied by glslc, not by glslangValidator
 #extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
 #define EXL3_F16
@@ -13,7 +14,11 @@
 layout(local_size_x = 256) in;
 #define MOE_COOP
 #include "moe_bindings.glsl"
+#ifdef COOP_MOE_WIDE  // the _wide builds: chunks of up to COOP_MOE_ROWS_WIDE rows
+#define COOP_BM COOP_MOE_ROWS_WIDE
+#else
 #define COOP_BM COOP_MOE_ROWS
+#endif
 #include "moe_stages.glsl"
 #ifdef MOE_DISCOVERY  // the discovery build (`_discover`: moe_discover.glsl)
 #include "moe_discover.glsl"

@@ -1,9 +1,11 @@
 """The MoE GEMM stages on cooperative matrices (moe_gate_up_coop.comp, moe_down_coop.comp), as far as lavapipe
 (which lacks VK_KHR_cooperative_matrix) can test them: the plan's choice and its fallback, the knob's error, the
-split-only rule (persistent refused), and the stages' data flow (chunks of COOP_MOE_ROWS rows of one expert with A
-rows gathered by (token, slot), whole-m-tile partials, k-splits, the shared band tails) through their `_emulate`
-builds, which replace only the matrix-unit multiply. The cooperative-matrix builds themselves are checked on a GPU with
-`tools/check_coopmat --moe`."""
+split-only rule (persistent refused), and the stages' data flow (chunks of COOP_MOE_ROWS rows of one expert, or
+COOP_MOE_ROWS_WIDE in the wide builds, with A rows gathered by (token, slot), whole-m-tile partials, k-splits, the
+shared band tails) through their `_emulate` builds, which replace only the matrix-unit multiply. The
+cooperative-matrix builds themselves are checked on a GPU with `tools/check_coopmat --moe`."""
+import functools
+
 import numpy as np
 import pytest
 
@@ -21,9 +23,14 @@ TOL = 3e-3
 @pytest.fixture
 def emulated(monkeypatch):
     """The coop plan as on a device that has the feature, run by the emulate builds."""
-    monkeypatch.setattr(plan, "coop_moe_unavailable", lambda d: None)
-    monkeypatch.setattr(kernels, "coop_moe_name", lambda d, stage: f"moe_{stage}_coop_emulate")
+    monkeypatch.setattr(plan, "coop_moe_unavailable", lambda d, rows=None: None)
+    monkeypatch.setattr(kernels, "coop_moe_name", functools.partial(kernels.coop_moe_name, flavor="emulate"))
     monkeypatch.setenv("VKMOE_COOPMAT", "on")
+
+
+# VKMOE_COOPMAT_MOE_WIDE_ROWS that puts a plan on each chunk size: every plan wide from 1 row per expert, none
+# from 2^30
+WIDE_ROWS_KNOB = {layout.COOP_MOE_ROWS: str(2 ** 30), layout.COOP_MOE_ROWS_WIDE: "1"}
 
 
 def _routing(m, E, top_k, seed, skip=0):
@@ -48,15 +55,18 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("rows", [layout.COOP_MOE_ROWS, layout.COOP_MOE_ROWS_WIDE])
 @pytest.mark.parametrize("H, I, E, top_k, m, bits, activation, act_limit, splits, skip", CASES)
-def test_emulated_stages(monkeypatch, device, emulated, H, I, E, top_k, m, bits, activation, act_limit, splits, skip):
+def test_emulated_stages(monkeypatch, device, emulated, H, I, E, top_k, m, bits, activation, act_limit, splits, skip,
+                         rows):
+    monkeypatch.setenv("VKMOE_COOPMAT_MOE_WIDE_ROWS", WIDE_ROWS_KNOB[rows])
     if splits:
         monkeypatch.setenv("VKMOE_MOE_SPLITS", splits)
     gate, up, down = random_moe_layer(H, I, E, bits=bits, activation=activation, seed=H + I + m)
     ids, w = _routing(m, E, top_k, seed=m, skip=skip)
     x = np.random.default_rng(m).standard_normal((m, H)).astype(np.float16)
     p = plan.moe_plan(device, m, top_k, E, H, I, activation != "relu2")
-    assert p.coop and p.rows == layout.COOP_MOE_ROWS
+    assert p.coop and p.rows == rows
     assert p.kt_gu % layout.COOP_KSTEP == 0 and p.kt_d % layout.COOP_KSTEP == 0
     if splits:
         assert p.splits_gu == 2 and p.splits_d == 2
@@ -71,20 +81,22 @@ def test_emulated_stages(monkeypatch, device, emulated, H, I, E, top_k, m, bits,
         assert np.all(y[m - 1] == 0.0)  # a token with no valid slot: a zero row
 
 
-def test_coop_stages_count_their_co_residency(monkeypatch, tmp_path, device, emulated):
+@pytest.mark.parametrize("rows", [layout.COOP_MOE_ROWS, layout.COOP_MOE_ROWS_WIDE])
+def test_coop_stages_count_their_co_residency(monkeypatch, tmp_path, device, emulated, rows):
     """Exl3MoeMlp.co_resident_coop: each coop stage's discovery build (`_discover`: the stage's own source and
-    specialization) counts its co-resident workgroups, at most lavapipe's worker threads, and the count is cached
-    per pipeline like the persistent kernel's."""
+    specialization, the plan's chunk size) counts its co-resident workgroups, at most lavapipe's worker threads,
+    and the count is cached per pipeline like the persistent kernel's."""
     import json
 
     from vkmoe.sched import occupancy
 
     monkeypatch.setenv("VKMOE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("VKMOE_COOPMAT_MOE_WIDE_ROWS", WIDE_ROWS_KNOB[rows])
     occupancy._measured.clear()
     gate, up, down = random_moe_layer(256, 256, 3, seed=8)
     with vkmoe.Exl3MoeMlp(device, gate, up, down) as moe:
         p = moe._scratch_for(120, 2).plan
-        assert p.coop
+        assert p.coop and p.rows == rows
         counts = {stage: moe.co_resident_coop(p, stage) for stage in ("gate_up", "down")}
         for c in counts.values():
             assert c["launched"] == occupancy.launch_size(device) > c["min"] >= 1, c
@@ -93,7 +105,8 @@ def test_coop_stages_count_their_co_residency(monkeypatch, tmp_path, device, emu
         entries = json.load(open(tmp_path / "residency.json"))
         (pipelines,) = [v["pipelines"]["entries"] for v in entries.values() if "pipelines" in v]
         for stage in ("gate_up", "down"):
-            (key,) = [k for k in pipelines if k.startswith(f"moe_{stage}_coop_emulate_discover@")]
+            build = "emulate_wide" if rows == layout.COOP_MOE_ROWS_WIDE else "emulate"
+            (key,) = [k for k in pipelines if k.startswith(f"moe_{stage}_coop_{build}_discover@")]
             assert pipelines[key]["min"] == counts[stage]["min"]
         with pytest.raises(ValueError, match="stage must be 'gate_up' or 'down'"):
             moe.co_resident_coop(p, "route")
@@ -106,7 +119,7 @@ def test_coop_stages_count_their_co_residency(monkeypatch, tmp_path, device, emu
 
 # ------------------------------------------------------------------------------------------ the choice
 def test_plan_choice(monkeypatch, device):
-    monkeypatch.setattr(plan, "coop_moe_unavailable", lambda d: None)
+    monkeypatch.setattr(plan, "coop_moe_unavailable", lambda d, rows=None: None)
     monkeypatch.setattr(plan, "coop_probe_failure", lambda d: None)
     monkeypatch.setenv("VKMOE_COOPMAT", "auto")
     monkeypatch.setenv("VKMOE_COOPMAT_MOE_MIN_ROWS", "4")  # (token, slot) rows per expert: m * 8 / 128 >= 4
@@ -121,13 +134,56 @@ def test_plan_choice(monkeypatch, device):
 def test_default_switch_point(monkeypatch, device):
     """Auto takes the coop stages from 3 (token, slot) rows per expert (VKMOE_COOPMAT_MOE_MIN_ROWS' default, the
     H100's measured switch point): m = 48 on the Qwen3 shape (top-8 of 128), 96 on DeepSeek-V3's (top-8 of 256)."""
-    monkeypatch.setattr(plan, "coop_moe_unavailable", lambda d: None)
+    monkeypatch.setattr(plan, "coop_moe_unavailable", lambda d, rows=None: None)
     monkeypatch.setattr(plan, "coop_probe_failure", lambda d: None)
     monkeypatch.setenv("VKMOE_COOPMAT", "auto")
     monkeypatch.delenv("VKMOE_COOPMAT_MOE_MIN_ROWS", raising=False)
     for m, E, H, I, coop in ((47, 128, 2048, 768, False), (48, 128, 2048, 768, True),
                              (95, 256, 7168, 2048, False), (96, 256, 7168, 2048, True)):
         assert plan.moe_plan(device, m, 8, E, H, I, True).coop == coop, (m, E)
+
+
+def test_default_wide_switch_point(monkeypatch, device):
+    """The 32-row chunks from 13 (token, slot) rows per expert (VKMOE_COOPMAT_MOE_WIDE_ROWS' default, the H100's
+    measured switch point): m = 208 on the Qwen3 shape (top-8 of 128), 416 on DeepSeek-V3's (top-8 of 256)."""
+    monkeypatch.setattr(plan, "coop_moe_unavailable", lambda d, rows=None: None)
+    monkeypatch.setattr(plan, "coop_probe_failure", lambda d: None)
+    monkeypatch.setenv("VKMOE_COOPMAT", "auto")
+    monkeypatch.delenv("VKMOE_COOPMAT_MOE_WIDE_ROWS", raising=False)
+    for m, E, H, I, rows in ((207, 128, 2048, 768, layout.COOP_MOE_ROWS), (208, 128, 2048, 768, layout.COOP_MOE_ROWS_WIDE),
+                             (415, 256, 7168, 2048, layout.COOP_MOE_ROWS), (416, 256, 7168, 2048, layout.COOP_MOE_ROWS_WIDE)):
+        p = plan.moe_plan(device, m, 8, E, H, I, True)
+        assert p.coop and p.rows == rows, (m, E)
+
+
+def test_plan_takes_the_wide_chunks_from_its_rows_per_expert(monkeypatch, device):
+    """COOP_MOE_ROWS_WIDE from VKMOE_COOPMAT_MOE_WIDE_ROWS (token, slot) rows per expert on average, where the
+    device can run the wide builds; the chunk table is sized for the plan's rows."""
+    unavailable = {layout.COOP_MOE_ROWS: None, layout.COOP_MOE_ROWS_WIDE: None}
+    monkeypatch.setattr(plan, "coop_moe_unavailable", lambda d, rows=layout.COOP_MOE_ROWS: unavailable[rows])
+    monkeypatch.setattr(plan, "coop_probe_failure", lambda d: None)
+    monkeypatch.setenv("VKMOE_COOPMAT", "auto")
+    monkeypatch.setenv("VKMOE_COOPMAT_MOE_WIDE_ROWS", "32")
+    qwen3 = (8, 128, 2048, 768, True)
+    narrow, wide = plan.moe_plan(device, 511, *qwen3), plan.moe_plan(device, 512, *qwen3)  # 31.9 / 32 rows
+    assert narrow.coop and narrow.rows == layout.COOP_MOE_ROWS
+    assert wide.coop and wide.rows == layout.COOP_MOE_ROWS_WIDE
+    assert wide.max_chunks == 128 + 512 * 8 // layout.COOP_MOE_ROWS_WIDE
+    monkeypatch.setenv("VKMOE_COOPMAT_MOE_WIDE_ROWS", "33")
+    assert plan.moe_plan(device, 512, *qwen3).rows == layout.COOP_MOE_ROWS
+    monkeypatch.setenv("VKMOE_COOPMAT_MOE_WIDE_ROWS", "32")
+    unavailable[layout.COOP_MOE_ROWS_WIDE] = "the wide builds' SPIR-V was not built"
+    assert plan.moe_plan(device, 1024, *qwen3).rows == layout.COOP_MOE_ROWS
+    monkeypatch.setenv("VKMOE_COOPMAT_MOE_WIDE_ROWS", "0")
+    with pytest.raises(ValueError, match="VKMOE_COOPMAT_MOE_WIDE_ROWS"):  # knobs.KnobError
+        plan.moe_plan(device, 1024, *qwen3)
+
+
+def test_build_names():
+    """The plan's rows pick the wide build; the emulate flavor replaces the device's."""
+    name = functools.partial(kernels.coop_moe_name, None, flavor="emulate")  # the flavor given: no device needed
+    assert name("down", layout.COOP_MOE_ROWS) == "moe_down_coop_emulate"
+    assert name("gate_up", layout.COOP_MOE_ROWS_WIDE) == "moe_gate_up_coop_emulate_wide"
 
 
 def _skip_with_the_feature(device):
@@ -158,6 +214,7 @@ def test_missing_spirv_is_a_reason(monkeypatch, device):
     monkeypatch.setattr(plan, "coop_unavailable", lambda d: None)
     monkeypatch.setattr(plan, "SPV_DIR", "/nonexistent")
     assert "SPIR-V" in plan.coop_moe_unavailable(device)
+    assert "SPIR-V" in plan.coop_moe_unavailable(device, layout.COOP_MOE_ROWS_WIDE)
 
 
 # ------------------------------------------------------------------------------------------ split only

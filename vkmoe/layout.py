@@ -69,6 +69,12 @@ COOP_MOE_ROW_SLACK = TILE - 1
 COOP_MOE_ROWS = 16
 # The MoE's cooperative-matrix stages, by the name in their shaders' file names (moe_{stage}_coop.comp).
 COOP_MOE_STAGES = ("gate_up", "down")
+# Rows of the stages' wide build (moe_*_coop_wide): for experts that hold many rows each, where the 16-row tile
+# decodes an expert's weights once per 16 rows (ops.plan.coop_moe_rows, VKMOE_COOPMAT_MOE_WIDE_ROWS). Its 23.3 KB
+# of shared memory (the Hadamard's rows borrowed from the A tile: coop_moe_shared_bytes) keep it at two workgroups
+# per SM on the H100, as the 16-row tile (measured; at 25.4 KB, before the borrowing, it ran one per SM and lost:
+# BENCHMARKS.md, thirty-eighth and forty-third sessions).
+COOP_MOE_ROWS_WIDE = 32
 # The most rows of an FMA-path expert chunk (GEMM_ROWS: ops.plan.rows_for, VKMOE_MOE_ROWS).
 MOE_ROWS_MAX = 16
 
@@ -269,13 +275,14 @@ def coop_shared_bytes(rows):
     return BAND * line + rows * line + 4 * HAD_SHARED_ROWS * BAND + 16
 
 
-def coop_moe_shared_bytes():
-    """Shared memory of moe_gate_up_coop.comp / moe_down_coop.comp: the linear's tile of COOP_MOE_ROWS rows
-    (coop_shared_bytes) less the shared-memory Hadamard's rows, which lie in the A tile (moe_stages.glsl), plus the
-    tile's A row indices and stage 5's token-done flags (one word per chunk row)."""
-    a_tile, had_rows = COOP_MOE_ROWS * 2 * (COOP_KSTEP * TILE + COOP_PAD), 4 * HAD_SHARED_ROWS * BAND
+def coop_moe_shared_bytes(rows=COOP_MOE_ROWS):
+    """Shared memory of moe_gate_up_coop.comp / moe_down_coop.comp built for chunks of `rows` rows (COOP_MOE_ROWS,
+    or COOP_MOE_ROWS_WIDE: the _wide builds): the linear's tile of that many rows (coop_shared_bytes) less the
+    shared-memory Hadamard's rows, which lie in the A tile (moe_stages.glsl), plus the tile's A row indices and
+    stage 5's token-done flags (one word per chunk row)."""
+    a_tile, had_rows = rows * 2 * (COOP_KSTEP * TILE + COOP_PAD), 4 * HAD_SHARED_ROWS * BAND
     assert a_tile >= had_rows, "the Hadamard's rows must fit the A tile they borrow"
-    return coop_shared_bytes(COOP_MOE_ROWS) - had_rows + 4 * COOP_MOE_ROWS + 4 * COOP_MOE_ROWS
+    return coop_shared_bytes(rows) - had_rows + 4 * rows + 4 * rows
 
 
 def dequant_grid(k, n):
@@ -305,7 +312,7 @@ def _defines():
     for name in ("SHARED_LANES", "SHARED_ROWS", "MAX_PASS_ROWS", "MAX_VALS", "IN_UNITS_PER_WG"):
         yield f"HAD_{name}", f"{globals()['HAD_' + name]}u"
     for name in ("COOP_ROWS_NARROW", "COOP_ROWS_WIDE", "COOP_KSTEP", "COOP_PAD", "COOP_MOE_ROW_SLACK", "COOP_MOE_ROWS",
-                 "MOE_ROWS_MAX", *(f"SYNC_{n}" for n in ("LINE", "ABORT", "TICKET", "ROUTED", "STAGE1_DONE", "PHASE1_USERS", "COUNTERS")),
+                 "COOP_MOE_ROWS_WIDE", "MOE_ROWS_MAX", *(f"SYNC_{n}" for n in ("LINE", "ABORT", "TICKET", "ROUTED", "STAGE1_DONE", "PHASE1_USERS", "COUNTERS")),
                  "MOE_MODE_RUN", "MOE_MODE_DISCOVER", "ROUTE_ROWS", "ROUTE_CHUNKS", "ROUTE_HEADER", "ROUTE_CHUNK_WORDS",
                  "STAGE1_PAIRS_PER_ITEM", "GEMM_RED_WORDS"):
         yield name, f"{globals()[name]}u"  # unsigned constants, under their own names

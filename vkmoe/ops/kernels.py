@@ -7,7 +7,8 @@ import weakref
 
 from .. import forksafe, knobs
 from ..exl3.decode import MUL1_C0, MUL1_C1
-from ..layout import COOP_ROWS_WIDE, HAD_SUBGROUP_MAX, HAD_SUBGROUP_MIN, SPEC_F16_FMA_FUSED, SPEC_HAD_SUBGROUP
+from ..layout import (COOP_MOE_ROWS, COOP_MOE_ROWS_WIDE, COOP_ROWS_WIDE, HAD_SUBGROUP_MAX, HAD_SUBGROUP_MIN,
+                      SPEC_F16_FMA_FUSED, SPEC_HAD_SUBGROUP)
 from ..vk import Pipeline, PushConstants, VkmoeError, spirv
 from ..vk.pipeline import SPV_DIR, load_spirv
 from ..vk.quirks import measure_f16_fma_rounds_once
@@ -100,9 +101,13 @@ def coop_linear_name(device, rows):
     return "exl3_linear_coop" + ("_idot" if uses_idot(device) else "") + ("_wide" if rows == COOP_ROWS_WIDE else "")
 
 
-def coop_moe_name(device, stage):
-    """The build of moe_{stage}_coop.comp ("gate_up" or "down") for `device`."""
-    return f"moe_{stage}_coop" + ("_idot" if uses_idot(device) else "")
+def coop_moe_name(device, stage, rows=COOP_MOE_ROWS, flavor=None):
+    """The build of moe_{stage}_coop.comp ("gate_up" or "down") for `device` and chunks of `rows` rows
+    (MoePlan.rows: COOP_MOE_ROWS, or COOP_MOE_ROWS_WIDE: the _wide build); flavor "emulate" names the build
+    without matrix units (the tests, tools/check_coopmat --emulate), else the device's (idot where it has it)."""
+    flavor = flavor or ("idot" if uses_idot(device) else None)
+    wide = "wide" if rows == COOP_MOE_ROWS_WIDE else None
+    return "_".join(filter(None, (f"moe_{stage}_coop", flavor, wide)))
 
 
 def pipeline(device, shader, push, spec=None, decode=False, binding_count=None, build=""):

