@@ -65,15 +65,16 @@ COOP_MOE_ROW_SLACK = TILE - 1
 # registers instead of 118, less shared memory (what sets these stages' occupancy: docs/DESIGN.md) and multiplies
 # no empty m-tiles;
 # it ran DeepSeek-V3 m = 256 in 7.5 ms instead of 15.8 and the Qwen3 shape's m = 1024 in 2.35 ms instead of 2.60
-# (BENCHMARKS.md, sixth session), even though an expert of 64 rows then decodes its weights four times.
+# (BENCHMARKS.md, sixth session), even though an expert of 64 rows then decodes its weights four times (the wide
+# build below halves that where experts hold many rows).
 COOP_MOE_ROWS = 16
 # The MoE's cooperative-matrix stages, by the name in their shaders' file names (moe_{stage}_coop.comp).
 COOP_MOE_STAGES = ("gate_up", "down")
 # Rows of the stages' wide build (moe_*_coop_wide): for experts that hold many rows each, where the 16-row tile
 # decodes an expert's weights once per 16 rows (ops.plan.coop_moe_rows, VKMOE_COOPMAT_MOE_WIDE_ROWS). Its 23.3 KB
 # of shared memory (the Hadamard's rows borrowed from the A tile: coop_moe_shared_bytes) keep it at two workgroups
-# per SM on the H100, as the 16-row tile (measured; at 25.4 KB, before the borrowing, it ran one per SM and lost:
-# BENCHMARKS.md, thirty-eighth and forty-third sessions).
+# per SM on the H100, as the 16-row tile (counted; at 25.4 KB, before the borrowing, it lost, past the cliff where
+# 25.9 KB was counted one per SM: BENCHMARKS.md, thirty-eighth, forty-second and forty-third sessions).
 COOP_MOE_ROWS_WIDE = 32
 # The most rows of an FMA-path expert chunk (GEMM_ROWS: ops.plan.rows_for, VKMOE_MOE_ROWS).
 MOE_ROWS_MAX = 16
