@@ -150,8 +150,9 @@ def test_default_wide_switch_point(monkeypatch, device):
     monkeypatch.setattr(plan, "coop_probe_failure", lambda d: None)
     monkeypatch.setenv("VKMOE_COOPMAT", "auto")
     monkeypatch.delenv("VKMOE_COOPMAT_MOE_WIDE_ROWS", raising=False)
-    for m, E, H, I, rows in ((207, 128, 2048, 768, layout.COOP_MOE_ROWS), (208, 128, 2048, 768, layout.COOP_MOE_ROWS_WIDE),
-                             (415, 256, 7168, 2048, layout.COOP_MOE_ROWS), (416, 256, 7168, 2048, layout.COOP_MOE_ROWS_WIDE)):
+    narrow, wide = layout.COOP_MOE_ROWS, layout.COOP_MOE_ROWS_WIDE
+    for m, E, H, I, rows in ((207, 128, 2048, 768, narrow), (208, 128, 2048, 768, wide),
+                             (415, 256, 7168, 2048, narrow), (416, 256, 7168, 2048, wide)):
         p = plan.moe_plan(device, m, 8, E, H, I, True)
         assert p.coop and p.rows == rows, (m, E)
 

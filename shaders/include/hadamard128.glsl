@@ -8,8 +8,8 @@
 //   elements l * V .. l * V + V - 1 (V = 128 / S) in registers; stages narrower than V are butterflies inside an
 //   invocation, the wider ones pair invocation l with l ^ (w / V) through subgroupShuffleXor. No barrier: the
 //   256 / S subgroups of a workgroup transform 256 / S rows at once, each on its own.
-// - shared memory (HAD_SUBGROUP = 0): the rows go through shared memory (HAD_BUF_*) and had_fwht (a barrier after each stage),
-//   HAD_SHARED_ROWS at a time; "lanes" of HAD_SHARED_LANES invocations stand in for the subgroups.
+// - shared memory (HAD_SUBGROUP = 0): the rows go through shared memory (HAD_BUF_*) and had_fwht (a barrier after
+//   each stage), HAD_SHARED_ROWS at a time; "lanes" of HAD_SHARED_LANES invocations stand in for the subgroups.
 // Both do the same fp32 additions and subtractions of the same operands, so their outputs are bit-identical
 // (tests/test_hadamard.py runs every op both ways).
 //
@@ -38,10 +38,10 @@ uint had_row() { return HAD_IN_SUBGROUP ? gl_SubgroupID : gl_LocalInvocationID.x
 uint had_lane() { return HAD_IN_SUBGROUP ? gl_SubgroupInvocationID : gl_LocalInvocationID.x % HAD_LANES; }
 uint had_col0() { return had_lane() * HAD_VALS; }
 
-// The shared-memory transform's HAD_SHARED_ROWS rows of 128 fp32, through HAD_BUF_LOAD(i) / HAD_BUF_STORE(i, v). Its own
-// array of a fixed size (Mesa 22.3 rule: no shared array sized by a specialization constant), unless the includer
-// lends one of its own that is free whenever a transform or a caller's use of the rows runs (defining both macros
-// before including this file; the MoE's cooperative-matrix stages lend their A tile: moe_stages.glsl).
+// The shared-memory transform's HAD_SHARED_ROWS rows of 128 fp32, through HAD_BUF_LOAD(i) / HAD_BUF_STORE(i, v).
+// Its own array of a fixed size (Mesa 22.3 rule: no shared array sized by a specialization constant), unless the
+// includer lends one of its own that is free whenever a transform or a caller's use of the rows runs (defining both
+// macros before including this file; the MoE's cooperative-matrix stages lend their A tile: moe_stages.glsl).
 #ifndef HAD_BUF_LOAD
 shared float had_buf[HAD_SHARED_ROWS * 128];
 #define HAD_BUF_LOAD(i) had_buf[i]

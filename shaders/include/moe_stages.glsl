@@ -821,8 +821,9 @@ void stage5_row_out(uint partial, uint se, float weight) {
 // reduction level instead of a tail per slot and then a token sum after a second counter (that second level cost
 // 5.2 us of the 17.8 us down phase of the Qwen3 shape at m = 1 on the H200: BENCHMARKS.md). Slot s0 + had_row() of
 // a pass is a pass row, so with the subgroup transform all 8 slots of a top-8 token are one pass without a barrier;
-// the slot sum then goes through the transform's shared rows, HAD_SHARED_ROWS rows at a time. (It ran the shared-memory transform on 4
-// slots per pass before: about 22 workgroup barriers per band at top-8, on the critical path of every decode step.)
+// the slot sum then goes through the transform's shared rows, HAD_SHARED_ROWS rows at a time. (It ran the
+// shared-memory transform on 4 slots per pass before: about 22 workgroup barriers per band at top-8, on the critical
+// path of every decode step.)
 void moe_stage5_token(uint t, uint band) {
     uint tid = gl_LocalInvocationID.x, h0 = band * 128u + had_col0();
     float acc = 0.0;  // invocations < 128: column band * 128 + tid
@@ -838,7 +839,8 @@ void moe_stage5_token(uint t, uint band) {
         // The slot sum: rows g .. g + HAD_SHARED_ROWS - 1 of the pass through the shared rows, then added in slot order
         for (uint g = 0u; g < HAD_PASS_ROWS && s0 + g < pc.top_k; g += HAD_SHARED_ROWS) {
             if (rr >= g && rr < g + HAD_SHARED_ROWS) {
-                [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j) HAD_BUF_STORE((rr - g) * 128u + had_col0() + j, had_v[j]);
+                [[unroll]] for (uint j = 0u; j < HAD_VALS; ++j)
+                    HAD_BUF_STORE((rr - g) * 128u + had_col0() + j, had_v[j]);
             }
             barrier();
             if (tid < 128u) {
