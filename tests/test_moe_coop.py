@@ -52,6 +52,9 @@ CASES = [
     pytest.param(128, 256, 4, 2, 90, (3, 4, 5), "silu", 6.0, None, 3, id="silu-mixed-bits-limit-skips"),
     pytest.param(128, 256, 4, 3, 70, (2, 3, 4), "relu2", 0.0, None, 2, id="relu2-gateless"),
     pytest.param(512, 512, 2, 1, 80, 3, "silu", 0.0, "2,2", 0, id="silu-ksplits"),
+    # the other trellis widths: a lane's words 1, 6, 7 or 8 per tile (K = 8: two 16-byte loads)
+    pytest.param(128, 256, 3, 2, 40, (6, 7, 8), "silu", 0.0, None, 0, id="silu-bits-6-7-8"),
+    pytest.param(128, 256, 3, 2, 40, (1, 2, 1), "silu", 0.0, None, 0, id="silu-bits-1-2"),
 ]
 
 
