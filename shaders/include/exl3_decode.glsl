@@ -99,29 +99,29 @@ void decode_lane(const int K, const int cb, uint words[8], uint prev, out float 
 #extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
 layout(constant_id = SPEC_F16_FMA_FUSED) const bool F16_FMA_FUSED = false;
 
+// The fp16 pair of two consecutive states (s0, s1) of a lane: its positions (2i, 2i+1).
+f16vec2 decode_pair_h(uint s0, uint s1, const int cb) {
+    if (cb == CB_MUL1) {
+        uint b0 = byte_sum(s0 * 0x83DCD12Du), b1 = byte_sum(s1 * 0x83DCD12Du);
+        if (F16_FMA_FUSED) {
+            // exactly 1024 + B in each half (B <= 1020, so no carry crosses): written as adds so that the
+            // compiler may fold the constant into the dot product's accumulator and the shift into one add
+            f16vec2 h = unpackFloat2x16((b1 << 16) + (b0 + 0x64006400u));
+            return fma(h, f16vec2(float16_t(0.00676727294921875)), f16vec2(float16_t(-10.3828125)));
+        }
+        vec2 v = vec2(float(1024u + b0), float(1024u + b1)) * 0.00676727294921875 + (-10.3828125);
+        return f16vec2(v);
+    }
+    uint mult = cb == CB_MCG ? 0xCBAC1FEDu : 89226354u, add = cb == CB_MCG ? 0u : 64248484u;
+    uint y0 = ((s0 * mult + add) & 0x8FFF8FFFu) ^ 0x3B603B60u;
+    uint y1 = ((s1 * mult + add) & 0x8FFF8FFFu) ^ 0x3B603B60u;
+    return unpackFloat2x16((y0 & 0xFFFFu) | (y1 << 16)) + unpackFloat2x16((y0 >> 16) | (y1 & 0xFFFF0000u));
+}
+
 void decode_lane_h(const int K, const int cb, uint words[8], uint prev, out f16vec2 hv[16]) {
     uint st[32];
     lane_states(K, words, prev, st);
-    [[unroll]] for (int i = 0; i < 16; ++i) {
-        uint s0 = st[2 * i], s1 = st[2 * i + 1];
-        if (cb == CB_MUL1) {
-            uint b0 = byte_sum(s0 * 0x83DCD12Du), b1 = byte_sum(s1 * 0x83DCD12Du);
-            if (F16_FMA_FUSED) {
-                // exactly 1024 + B in each half (B <= 1020, so no carry crosses): written as adds so that the
-                // compiler may fold the constant into the dot product's accumulator and the shift into one add
-                f16vec2 h = unpackFloat2x16((b1 << 16) + (b0 + 0x64006400u));
-                hv[i] = fma(h, f16vec2(float16_t(0.00676727294921875)), f16vec2(float16_t(-10.3828125)));
-            } else {
-                vec2 v = vec2(float(1024u + b0), float(1024u + b1)) * 0.00676727294921875 + (-10.3828125);
-                hv[i] = f16vec2(v);
-            }
-        } else {
-            uint mult = cb == CB_MCG ? 0xCBAC1FEDu : 89226354u, add = cb == CB_MCG ? 0u : 64248484u;
-            uint y0 = ((s0 * mult + add) & 0x8FFF8FFFu) ^ 0x3B603B60u;
-            uint y1 = ((s1 * mult + add) & 0x8FFF8FFFu) ^ 0x3B603B60u;
-            hv[i] = unpackFloat2x16((y0 & 0xFFFFu) | (y1 << 16)) + unpackFloat2x16((y0 >> 16) | (y1 & 0xFFFF0000u));
-        }
-    }
+    [[unroll]] for (int i = 0; i < 16; ++i) hv[i] = decode_pair_h(st[2 * i], st[2 * i + 1], cb);
 }
 #endif
 
