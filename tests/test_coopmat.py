@@ -25,8 +25,10 @@ from vkmoe.vk.report import format_info
 
 TOL = 3e-3
 COOP_SPV = ["exl3_linear_coop", "exl3_linear_coop_wide", "exl3_linear_coop_idot", "exl3_linear_coop_idot_wide",
-            "coopmat_probe", "moe_gate_up_coop", "moe_gate_up_coop_idot", "moe_down_coop", "moe_down_coop_idot"]
-EMULATE_SPV = ["exl3_linear_coop_emulate", "exl3_linear_coop_emulate_sg2", "moe_gate_up_coop_emulate", "moe_down_coop_emulate"]
+            "coopmat_probe", "coopmat_b_order_probe", "moe_gate_up_coop", "moe_gate_up_coop_idot", "moe_down_coop",
+            "moe_down_coop_idot", "moe_gate_up_coop_idot_breg", "moe_down_coop_idot_wide_breg"]
+EMULATE_SPV = ["exl3_linear_coop_emulate", "exl3_linear_coop_emulate_sg2", "moe_gate_up_coop_emulate",
+               "moe_down_coop_emulate", "moe_gate_up_coop_emulate_breg", "moe_down_coop_emulate_wide_breg"]
 CAPABILITY_COOPERATIVE_MATRIX = 6022
 SHAPE = {"M": 16, "N": 16, "K": 16, "A": "float16", "B": "float16", "C": "float32", "result": "float32",
          "saturating": False, "scope": "subgroup"}
@@ -219,3 +221,54 @@ def test_coop_spirv_built_and_valid():
             env = dict(os.environ, LD_LIBRARY_PATH=lib + os.pathsep + os.environ.get("LD_LIBRARY_PATH", ""))
             r = subprocess.run([spirv_val, "--target-env", "vulkan1.3", path], capture_output=True, text=True, env=env)
             assert r.returncode == 0, f"{name}: {r.stdout}{r.stderr}"
+
+
+def test_b_fragment_order_check():
+    """quirks.b_fragment_order_matches, the host side of coopmat_b_order_probe: the B-register builds' order (lane 0
+    holds (k, n) (0, 0) (1, 0) (8, 0) (9, 0) (0, 8) (1, 8) (8, 8) (9, 8)) passes; another order, a fragment of
+    another length or an unwritten word fails."""
+    from vkmoe.vk import quirks
+
+    order = quirks.b_fragment_order_expected()
+    assert list(order[:8]) == [0, 16, 128, 144, 8, 24, 136, 152]
+    assert list(order[8 * 5:8 * 5 + 2]) == [2 * 16 + 1, 3 * 16 + 1]  # lane 5 = 4 * 1 + 1: k = 2, 3 of column 1
+    assert sorted(order) == list(range(256))  # every element once
+    words = np.append(order, 8).astype(np.uint32)
+    assert quirks.b_fragment_order_matches(words)
+    swapped = words.copy()
+    swapped[[0, 4]] = swapped[[4, 0]]  # columns g and g + 8 exchanged in one lane
+    assert not quirks.b_fragment_order_matches(swapped)
+    transposed = np.append((order % 16) * 16 + order // 16, 8).astype(np.uint32)  # A's order, not B's
+    assert not quirks.b_fragment_order_matches(transposed)
+    short = words.copy()
+    short[256] = 16
+    assert not quirks.b_fragment_order_matches(short)
+    unwritten = words.copy()
+    unwritten[17] = 0xFFFFFFFF
+    assert not quirks.b_fragment_order_matches(unwritten)
+
+
+def test_b_fragment_order_quirk_without_cooperative_matrices(device):
+    """A device without cooperative matrices (lavapipe) has no B fragment order: None, asked lazily (not a quirk
+    measured at device open), the same answer twice."""
+    from vkmoe.vk import quirks
+
+    if device.features.get("cooperativeMatrix"):
+        pytest.skip("the device has cooperative matrices: tools/check_coopmat covers it")
+    assert "cooperative_matrix_b_order" not in device.quirks
+    assert quirks.cooperative_matrix_b_order(device) is None
+    assert quirks.cooperative_matrix_b_order(device) is None
+
+
+def test_b_fragment_order_probe_failure_keeps_the_device(monkeypatch, device):
+    """A B-order probe that fails to run counts as False (auto keeps the shared-memory builds), with a warning."""
+    from vkmoe.vk import quirks
+
+    def broken(d):
+        raise vkmoe.VulkanError("vkCreateComputePipelines", -3)
+
+    monkeypatch.setattr(quirks, "measure_cooperative_matrix_b_order", broken)
+    monkeypatch.setattr(quirks, "_b_orders", {})
+    with pytest.warns(RuntimeWarning, match="B order probe failed"):
+        assert quirks.cooperative_matrix_b_order(device) is False
+    assert quirks.cooperative_matrix_b_order(device) is False  # remembered: no second warning

@@ -5,6 +5,7 @@ COOP_MOE_ROWS_WIDE in the wide builds, with A rows gathered by (token, slot), wh
 shared band tails) through their `_emulate` builds, which replace only the matrix-unit multiply. The
 cooperative-matrix builds themselves are checked on a GPU with `tools/check_coopmat --moe`."""
 import functools
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -62,6 +63,54 @@ CASES = [
 @pytest.mark.parametrize("H, I, E, top_k, m, bits, activation, act_limit, splits, skip", CASES)
 def test_emulated_stages(monkeypatch, device, emulated, H, I, E, top_k, m, bits, activation, act_limit, splits, skip,
                          rows):
+    _check_emulated(monkeypatch, device, H, I, E, top_k, m, bits, activation, act_limit, splits, skip, rows)
+
+
+# The B-register builds (VKMOE_COOPMAT_B_REGS=on, `_breg`): every trellis width (their lanes read word windows that
+# start mid-word for K other than 4 and 8), k-splits, several A blocks per item (H = 512 at 32 rows), both chunk sizes.
+B_REGS_CASES = [
+    pytest.param(*CASES[0].values, layout.COOP_MOE_ROWS, id="silu-chunks-16"),
+    pytest.param(*CASES[0].values, layout.COOP_MOE_ROWS_WIDE, id="silu-chunks-32"),
+    pytest.param(*CASES[1].values, layout.COOP_MOE_ROWS, id="mixed-bits-limit-skips-16"),
+    pytest.param(*CASES[3].values, layout.COOP_MOE_ROWS_WIDE, id="ksplits-32"),
+    pytest.param(*CASES[4].values, layout.COOP_MOE_ROWS, id="bits-6-7-8-16"),
+    pytest.param(*CASES[5].values, layout.COOP_MOE_ROWS_WIDE, id="bits-1-2-32"),
+]
+
+
+@pytest.mark.parametrize("H, I, E, top_k, m, bits, activation, act_limit, splits, skip, rows", B_REGS_CASES)
+def test_emulated_stages_b_in_registers(monkeypatch, device, emulated, H, I, E, top_k, m, bits, activation,
+                                        act_limit, splits, skip, rows):
+    monkeypatch.setenv("VKMOE_COOPMAT_B_REGS", "on")
+    assert kernels.coop_moe_name(device, "down", rows).endswith("_breg")
+    _check_emulated(monkeypatch, device, H, I, E, top_k, m, bits, activation, act_limit, splits, skip, rows)
+
+
+def test_b_registers_need_the_measured_fragment_order(monkeypatch, device):
+    """VKMOE_COOPMAT_B_REGS=on on a device whose B fragment order is not the builds' (lavapipe: no cooperative
+    matrices, so the quirk is None) is refused with the knob's name; auto (the default) and off pick the shared-memory
+    builds there; auto picks the _breg builds where the order was measured right."""
+    from vkmoe.vk import quirks
+
+    assert quirks.cooperative_matrix_b_order(device) in (None, False)
+    assert not kernels.coop_moe_name(device, "gate_up").endswith("_breg")
+    monkeypatch.setenv("VKMOE_COOPMAT_B_REGS", "off")
+    assert not kernels.coop_moe_name(device, "gate_up").endswith("_breg")
+    monkeypatch.setenv("VKMOE_COOPMAT_B_REGS", "on")
+    with pytest.raises(vkmoe.VkmoeError, match="VKMOE_COOPMAT_B_REGS=on: .*coopmat_b_order_probe: None"):
+        kernels.coop_moe_name(device, "gate_up")
+    monkeypatch.setenv("VKMOE_COOPMAT_B_REGS", "sideways")
+    with pytest.raises(ValueError, match="VKMOE_COOPMAT_B_REGS"):
+        kernels.coop_moe_name(device, "gate_up")
+    monkeypatch.delenv("VKMOE_COOPMAT_B_REGS")
+    right = SimpleNamespace(name="fake")
+    monkeypatch.setattr(kernels, "cooperative_matrix_b_order", lambda d: d is right)
+    monkeypatch.setattr(kernels, "uses_idot", lambda d: True)
+    assert kernels.coop_moe_name(right, "down", layout.COOP_MOE_ROWS_WIDE) == "moe_down_coop_idot_wide_breg"
+    assert kernels.coop_moe_name(right, "down", flavor="emulate") == "moe_down_coop_emulate"  # auto: not emulated
+
+
+def _check_emulated(monkeypatch, device, H, I, E, top_k, m, bits, activation, act_limit, splits, skip, rows):
     monkeypatch.setenv("VKMOE_COOPMAT_MOE_WIDE_ROWS", WIDE_ROWS_KNOB[rows])
     if splits:
         monkeypatch.setenv("VKMOE_MOE_SPLITS", splits)

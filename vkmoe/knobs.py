@@ -100,6 +100,7 @@ KNOBS = {k.name: k for k in (
     Knob("VKMOE_COOPMAT_MIN_M", 8, "a positive integer", _int_at_least(1)),
     Knob("VKMOE_COOPMAT_MOE_MIN_ROWS", 3, "a positive integer", _int_at_least(1)),
     Knob("VKMOE_COOPMAT_MOE_WIDE_ROWS", 13, "a positive integer", _int_at_least(1)),
+    Knob("VKMOE_COOPMAT_B_REGS", "auto", "auto, on or off", _choice("auto", "on", "off")),
     Knob("VKMOE_SHAPE_CACHE", 8, "a positive integer", _int_at_least(1)),
     Knob("VKMOE_NATIVE_CALL", True, "1/0 (or true/false, yes/no, on/off)", _flag),
 )}

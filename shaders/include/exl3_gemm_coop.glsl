@@ -13,6 +13,9 @@
 // coopMatLoad reads them with element and stride counted in uvec4 (GL_KHR_cooperative_matrix allows a component
 // type other than the array's).
 //
+// With COOP_BREG (the MoE stages' _breg builds) the weights skip shared memory instead: each subgroup decodes its
+// own n-tile into B fragments, and A is staged in blocks of several k-steps (the second coop_gemm below).
+//
 // Not bit-identical with the FMA core (exl3_gemm.glsl): the matrix unit sums products in its own order.
 // COOP_EMULATE builds the same data flow with a plain fp32 multiply in place of the matrix unit (no
 // cooperative-matrix capability): what lavapipe tests (tests/test_coopmat.py).
@@ -50,7 +53,16 @@
 #define COOP_SMT (COOP_MT / COOP_SG_M)            // m-tiles per subgroup
 #define COOP_SNT (8u / COOP_SG_N)                 // n-tiles per subgroup
 
-shared uvec4 coop_b4[BAND * COOP_LINE4];
+#ifdef COOP_BREG
+// The B-register build keeps no weights here, only A blocks and the down's tile in shared memory (COOP_BM lines of
+// BAND / 4 + 1 uvec4 each). The 16-row tile shrinks to that (8.4 KB instead of 18.4; with it the 16-row build ran
+// 9-10 % faster than with 512-k A blocks in the full array, H100, forty-fifth session); the 32-row tile keeps the
+// full array, as measured (its tile and blocks take 16.9 of the 18.4 KB; the smaller array is not measured there).
+#define COOP_B4_LEN (COOP_BM == 16u ? COOP_BM * (BAND / 4u + 1u) : BAND * COOP_LINE4)
+#else
+#define COOP_B4_LEN (BAND * COOP_LINE4)
+#endif
+shared uvec4 coop_b4[COOP_B4_LEN];
 shared uvec4 coop_a4[COOP_BM * COOP_LINE4];
 
 // A tile's fp32 results kept in shared memory (coop_gemm with c_in_shared; a tail that is the tile's only reader,
@@ -159,6 +171,150 @@ void coop_emu_store(uint base, uint stride, uint nr, bool c_in_shared) {
 }
 #endif
 
+#ifdef COOP_BREG
+// The B-register build (the _breg variants, VKMOE_COOPMAT_B_REGS=on; DESIGN.md, "B fragments decoded in
+// registers"): the weights decoded straight into B fragments (no weights in shared memory, no per-step barriers).
+// Lane L = 4g + t of a subgroup decodes stream positions 8L .. 8L+7 of a 16x16 tile: k-rows (2t, 2t+1), (2t+8,
+// 2t+9) of columns g and g+8, which is the order NVIDIA's matrix unit keeps a 16x16 fp16 B matrix in (fragment
+// element i of lane L). Subgroup sg owns n-tile sg of the band (COOP_SG_M = 1: tiles of fewer than 128 rows) and
+// every m-tile. A is staged COOP_ABLK k at a time in coop_b4 (which holds no weights here), one barrier pair per
+// block. Right only where the device's fragments use that order (vkmoe.vk.quirks.cooperative_matrix_b_order, by
+// coopmat_b_order_probe.comp; kernels.coop_b_in_registers).
+#define COOP_ABLK 256u                     // k per A block (16 k-tiles): an A line = a line of the down's tile
+#define COOP_ABLK_T (COOP_ABLK / 16u)      // k-tiles per block, a multiple of COOP_KSTEP
+#define COOP_ALINE4 (COOP_ABLK / 8u + 1u)  // uvec4 per A line (an odd count: 8 consecutive lines, distinct bank groups)
+
+// The words a lane's 8 positions need: its window starts at the word holding the bit 16 before its first bit
+// (the previous state's tail; for lane 0 the tile's last word: tail-biting), and spans 2 words at K = 4, 3 at
+// K = 8, at most 4 otherwise (word-unaligned segments).
+int coop_br_window(int K, uint lane) { return (8 * K * int(lane) - 16) >> 5; }  // may be -1 (wraps)
+
+void coop_br_load(int b_src, int K, uint tile_base, uint lane, out uint w[4]) {
+    int ws = coop_br_window(K, lane), nw = K == 4 ? 2 : (K == 8 ? 3 : 4);
+    uint tw = 8u * uint(K);
+    [[unroll]] for (int j = 0; j < 4; ++j)
+        w[j] = j < nw ? gemm_b_word(b_src, tile_base + uint(ws + j + int(tw)) % tw) : 0u;
+}
+
+// The 16 bits ending at bit `end` of the window (MSB-first; 16 <= end, end - 16 < 96).
+uint coop_br_bits16(uint w[4], int end) {
+    int start = end - 16, i = start >> 5, off = start & 31;
+    uint x = w[i] << off;
+    if (off != 0) x |= w[i + 1] >> (32 - off);
+    return x >> 16;
+}
+
+// The lane's 8 values of the tile as 4 fp16 pairs: pair p = fragment elements 2p, 2p + 1.
+void coop_br_decode(int K, uint w[4], uint lane, out f16vec2 h[4]) {
+    int e0 = (K & 3) == 0 ? 32 : 8 * K * int(lane) - 32 * coop_br_window(K, lane);  // the lane's first bit
+    uint st[8];
+    [[unroll]] for (int i = 0; i < 8; ++i) st[i] = coop_br_bits16(w, e0 + (i + 1) * K);
+    [[unroll]] for (int p = 0; p < 4; ++p) h[p] = decode_pair_h(st[2 * p], st[2 * p + 1], CB);
+}
+
+// The block's A rows (zeros past row nr) into coop_b4: kbn k-tiles from kb0, loaded into registers, then stored.
+#define COOP_BR_A_PER (COOP_BM * COOP_ABLK / 8u / WG_SIZE)
+void coop_br_load_a(int a_src, uint row0, uint nr, uint k, uint kb0, uint kbn, out uvec4 a[COOP_BR_A_PER]) {
+    [[unroll]] for (uint p = 0u; p < COOP_BR_A_PER; ++p) {
+        uint idx = p * WG_SIZE + gl_LocalInvocationID.x, r = idx / (COOP_ABLK / 8u), c8 = idx % (COOP_ABLK / 8u);
+        a[p] = r < nr && c8 < kbn * 2u ? coop_a_word4(a_src, (COOP_A_ROW(row0, r) * k + kb0 * 16u) / 8u + c8)
+                                       : uvec4(0u);
+    }
+}
+void coop_br_store_a(uint kbn, uvec4 a[COOP_BR_A_PER]) {
+    [[unroll]] for (uint p = 0u; p < COOP_BR_A_PER; ++p) {
+        uint idx = p * WG_SIZE + gl_LocalInvocationID.x, r = idx / (COOP_ABLK / 8u), c8 = idx % (COOP_ABLK / 8u);
+        if (c8 < kbn * 2u) coop_b4[r * COOP_ALINE4 + c8] = a[p];
+    }
+}
+
+#ifdef COOP_EMULATE
+// The emulated subgroups' B tiles, column-major (half n * 16 + k of subgroup sg at uint sg * 128 + (n*16 + k) / 2).
+shared uint coop_emu_b[8u * 128u];
+void coop_br_emu_multiply(uint sg, uint lane, uint a_k0, f16vec2 h[4]) {
+    uint g = lane >> 2, t = lane & 3u;
+    [[unroll]] for (uint p = 0u; p < 4u; ++p)
+        coop_emu_b[sg * 128u + ((g + 8u * (p >> 1)) * 16u + 2u * t + 8u * (p & 1u)) / 2u] = packFloat2x16(h[p]);
+    barrier();
+    for (uint i = 0u; i < COOP_SMT; ++i)
+        for (uint e = 0u; e < 8u; ++e) {
+            uint row = i * 16u + (lane * 8u + e) / 16u, col = (lane * 8u + e) % 16u;
+            for (uint kx = 0u; kx < 16u; ++kx) {
+                uint ak = a_k0 + kx;
+                float av = unpackHalf2x16(coop_b4[row * COOP_ALINE4 + ak / 8u][(ak / 2u) % 4u])[ak % 2u];
+                float bv = unpackHalf2x16(coop_emu_b[sg * 128u + (col * 16u + kx) / 2u])[kx % 2u];
+                coop_emu[i * 8u + e] += av * bv;
+            }
+        }
+    barrier();
+}
+#endif
+
+void coop_gemm(int a_src, int b_src, int kb, uint b_base, uint row0, uint nr, uint k, uint tiles_n, uint band,
+               uint kt0, uint kt1, uint out_base, uint out_stride, bool c_in_shared) {
+    uint lane = gl_LocalInvocationID.x & 31u, sg = COOP_SG;
+#ifdef COOP_EMULATE
+    for (uint i = 0u; i < COOP_SMT * COOP_SNT * 8u; ++i) coop_emu[i] = 0.0;
+#else
+    uint sm = 0u, sn = sg;
+    coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator> acc[COOP_SMT];
+    [[unroll]] for (uint i = 0u; i < COOP_SMT; ++i)
+        acc[i] = coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>(0.0);
+#endif
+    uint tile_words = 8u * uint(kb), col_tile = band * 8u + sg;
+    uint w[COOP_KSTEP][4];
+    if (kt0 < kt1)
+        [[unroll]] for (uint kk = 0u; kk < COOP_KSTEP; ++kk)
+            coop_br_load(b_src, kb, b_base + ((kt0 + kk) * tiles_n + col_tile) * tile_words, lane, w[kk]);
+    uvec4 a[COOP_BR_A_PER];
+    for (uint kb0 = kt0; kb0 < kt1; kb0 += COOP_ABLK_T) {
+        uint kbn = min(kt1 - kb0, COOP_ABLK_T);
+        coop_br_load_a(a_src, row0, nr, k, kb0, kbn, a);
+        barrier();  // the previous block's last fragment loads
+        coop_br_store_a(kbn, a);
+        barrier();
+        for (uint kt = kb0; kt < kb0 + kbn; kt += COOP_KSTEP) {
+            f16vec2 h[COOP_KSTEP][4];
+            [[unroll]] for (uint kk = 0u; kk < COOP_KSTEP; ++kk) coop_br_decode(kb, w[kk], lane, h[kk]);
+            if (kt + COOP_KSTEP < kt1)  // the next step's words fly during this step's multiplications
+                [[unroll]] for (uint kk = 0u; kk < COOP_KSTEP; ++kk)
+                    coop_br_load(b_src, kb, b_base + ((kt + COOP_KSTEP + kk) * tiles_n + col_tile) * tile_words,
+                                 lane, w[kk]);
+            [[unroll]] for (uint kk = 0u; kk < COOP_KSTEP; ++kk) {
+#ifdef COOP_EMULATE
+                coop_br_emu_multiply(sg, lane, (kt - kb0 + kk) * 16u, h[kk]);
+#else
+                coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> b;
+                [[unroll]] for (uint p = 0u; p < 4u; ++p) {
+                    b[2u * p] = h[kk][p].x;
+                    b[2u * p + 1u] = h[kk][p].y;
+                }
+                [[unroll]] for (uint i = 0u; i < COOP_SMT; ++i) {
+                    coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> am;
+                    coopMatLoad(am, coop_b4, i * 16u * COOP_ALINE4 + (kt - kb0 + kk) * 2u, COOP_ALINE4,
+                                gl_CooperativeMatrixLayoutRowMajor);
+                    acc[i] = coopMatMulAdd(am, b, acc[i]);
+                }
+#endif
+            }
+        }
+    }
+    barrier();  // the A block's last readers, before coop_b4 takes the tile (c_in_shared) or a tail's rows
+#ifdef COOP_EMULATE
+    coop_emu_store(out_base, out_stride, nr, c_in_shared);
+#else
+    [[unroll]] for (uint i = 0u; i < COOP_SMT; ++i) {
+        if (i * 16u >= nr) continue;
+        if (c_in_shared)  // element and stride in uvec4 (4 floats)
+            coopMatStore(acc[i], coop_b4, i * 16u * COOP_C_LINE4 + sn * 4u, COOP_C_LINE4,
+                         gl_CooperativeMatrixLayoutRowMajor);
+        else
+            coopMatStore(acc[i], partial, out_base + i * 16u * out_stride + sn * 16u, out_stride,
+                         gl_CooperativeMatrixLayoutRowMajor);
+    }
+#endif
+}
+#else
 // C = A · Ŵ for rows row0 .. row0+nr-1 (A rows of k fp16 values) over k-tiles kt0 .. kt1-1 (a multiple of
 // COOP_KSTEP apart), stored to the includer's partial[] (fp32): m-tile mt, n-tile nt of the band at
 // out_base + mt * 16 * out_stride + nt * 16, rows out_stride apart (out_base: the band's first column of the
@@ -240,5 +396,7 @@ void coop_gemm(int a_src, int b_src, int kb, uint b_base, uint row0, uint nr, ui
     }
 #endif
 }
+
+#endif  // COOP_BREG
 
 #endif

@@ -11,7 +11,7 @@ from ..layout import (COOP_MOE_ROWS, COOP_MOE_ROWS_WIDE, COOP_ROWS_WIDE, HAD_SUB
                       SPEC_F16_FMA_FUSED, SPEC_HAD_SUBGROUP)
 from ..vk import Pipeline, PushConstants, VkmoeError, spirv
 from ..vk.pipeline import SPV_DIR, load_spirv
-from ..vk.quirks import measure_f16_fma_rounds_once
+from ..vk.quirks import cooperative_matrix_b_order, measure_f16_fma_rounds_once
 
 _lock = forksafe.Lock()
 _pipelines = weakref.WeakKeyDictionary()  # device -> {(name, spec): Pipeline}; the device destroys them on close
@@ -101,18 +101,39 @@ def coop_linear_name(device, rows):
     return "exl3_linear_coop" + ("_idot" if uses_idot(device) else "") + ("_wide" if rows == COOP_ROWS_WIDE else "")
 
 
-def coop_moe_build(stage, rows, flavor=None):
+def coop_moe_build(stage, rows, flavor=None, b_regs=False):
     """The name of a build of moe_{stage}_coop.comp ("gate_up" or "down"): flavor None (portable), "idot" or
-    "emulate" (no matrix units), chunks of `rows` rows (COOP_MOE_ROWS, or COOP_MOE_ROWS_WIDE: the _wide build)."""
+    "emulate" (no matrix units), chunks of `rows` rows (COOP_MOE_ROWS, or COOP_MOE_ROWS_WIDE: the _wide build),
+    b_regs: the B-register k-loop (the _breg builds: exl3_gemm_coop.glsl, COOP_BREG)."""
     wide = "wide" if rows == COOP_MOE_ROWS_WIDE else None
-    return "_".join(filter(None, (f"moe_{stage}_coop", flavor, wide)))
+    return "_".join(filter(None, (f"moe_{stage}_coop", flavor, wide, "breg" if b_regs else None)))
+
+
+def coop_b_in_registers(device, flavor=None):
+    """Whether the cooperative-matrix MoE stages decode their weights straight into B fragments (the _breg builds;
+    VKMOE_COOPMAT_B_REGS). auto: where the device's B fragments hold their elements in the order those builds fill
+    them (vkmoe.vk.quirks.cooperative_matrix_b_order, measured by a probe; 9-22 % faster on the H100,
+    docs/DESIGN.md), never for the emulate builds; on: also the emulate builds (their own order), and an error on a
+    device of another order."""
+    choice = knobs.get("VKMOE_COOPMAT_B_REGS")
+    if choice == "off":
+        return False
+    if flavor == "emulate":
+        return choice == "on"
+    order = cooperative_matrix_b_order(device)
+    if choice == "on" and order is not True:
+        raise VkmoeError(f"VKMOE_COOPMAT_B_REGS=on: {device.name}'s cooperative-matrix B fragments do not hold their "
+                         f"elements in the order the B-register builds fill them (coopmat_b_order_probe: "
+                         f"{order}); unset it or set it to auto or off")
+    return order is True
 
 
 def coop_moe_name(device, stage, rows=COOP_MOE_ROWS, flavor=None):
     """The build of moe_{stage}_coop.comp for `device` and chunks of `rows` rows (MoePlan.rows); flavor "emulate"
     names the build without matrix units (the tests, tools/check_coopmat --emulate), else the device's (idot where
-    it has it)."""
-    return coop_moe_build(stage, rows, flavor or ("idot" if uses_idot(device) else None))
+    it has it); the _breg build where coop_b_in_registers says so."""
+    return coop_moe_build(stage, rows, flavor or ("idot" if uses_idot(device) else None),
+                          coop_b_in_registers(device, flavor))
 
 
 def pipeline(device, shader, push, spec=None, decode=False, binding_count=None, build=""):

@@ -1,5 +1,8 @@
 """Driver quirks found by measurement, cached per (driver, device) in the vkmoe cache directory."""
 
+import os
+import warnings
+
 import numpy as np
 
 from .. import forksafe
@@ -77,12 +80,60 @@ def cooperative_matrix_error(device, seed=0):
     return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
 
 
+def b_fragment_order_expected():
+    """[256] the element (k * 16 + n) that invocation L = 4g + t of a subgroup holds as element i of a 16x16 fp16 B
+    fragment, at index 8 L + i, in the order the B-register build decodes them (exl3_gemm_coop.glsl, COOP_BREG):
+    EXL3 tile positions 8 L .. 8 L + 7, k-rows 2t, 2t+1, 2t+8, 2t+9 of column g, then of column g + 8."""
+    lane, i = np.divmod(np.arange(256), 8)
+    g, t = lane // 4, lane % 4
+    k = 2 * t + (i & 1) + 8 * ((i >> 1) & 1)
+    n = g + 8 * (i >> 2)
+    return k * 16 + n
+
+
+def b_fragment_order_matches(words):
+    """True when a coopmat_b_order_probe result (257 words) is the B-register build's order."""
+    words = np.asarray(words, dtype=np.uint32)
+    return bool(words[256] == 8 and np.array_equal(words[:256], b_fragment_order_expected()))
+
+
+def measure_cooperative_matrix_b_order(device):
+    """True when this device's 16x16 fp16 B fragments hold their elements in the order the B-register build fills
+    them (b_fragment_order_expected), False when not; None without cooperative matrices (or without the probe's
+    SPIR-V, which needs glslang 13+ to build)."""
+    from .pipeline import SPV_DIR
+
+    if not device.features.get("cooperativeMatrix") or not os.path.exists(
+            os.path.join(SPV_DIR, "coopmat_b_order_probe.spv")):
+        return None
+    return b_fragment_order_matches(_run_probe_shader(device, "coopmat_b_order_probe",
+                                                      np.full(257, 0xFFFFFFFF, np.uint32), 1))
+
+
 def measure_subgroups_linear(device):
     """True when a 256-invocation workgroup's subgroups are laid out linearly over its invocations."""
     return bool(_run_probe_shader(device, "subgroup_layout_probe", np.zeros(256, np.uint32), 1).all())
 
 
 MEASUREMENTS = {"loop_iteration_cap": measure_loop_iteration_cap, "subgroups_linear": measure_subgroups_linear}
+_b_orders = {}  # device identity -> measure_cooperative_matrix_b_order's answer in this process
+
+
+def cooperative_matrix_b_order(device):
+    """measure_cooperative_matrix_b_order, once per device and process, on first use (not at device open: only a
+    cooperative-matrix MoE plan asks). A probe that fails to run counts as False (the shared-memory builds stay),
+    with a warning, and the device stays usable."""
+    from .errors import VkmoeError
+
+    with _lock:
+        if device.identity not in _b_orders:
+            try:
+                _b_orders[device.identity] = measure_cooperative_matrix_b_order(device)
+            except VkmoeError as e:
+                warnings.warn(f"{device.name}: the cooperative-matrix B order probe failed ({e}); the B-register "
+                              "builds stay off", RuntimeWarning, stacklevel=2)
+                _b_orders[device.identity] = False
+        return _b_orders[device.identity]
 
 
 def _bad_value(name, value):
