@@ -3,7 +3,7 @@ from vkmoe import bench_record
 
 
 def test_paths_become_base_names():
-    argv = ["/root/work/tools/bench_moe", "--shape", "qwen3", "--m", "1,2", "--json", "/root/out/j/q.json",
+    argv = ["/home/u/vkmoe/tools/bench_moe", "--shape", "qwen3", "--m", "1,2", "--json", "/root/out/j/q.json",
             "--plot=/tmp/x/plot.png", "--iters", "5"]
     assert (bench_record.command_line(argv)
             == "bench_moe --shape qwen3 --m 1,2 --json q.json --plot=plot.png --iters 5")
