@@ -134,9 +134,11 @@ void coop_store_a(uvec4 a[COOP_A_PER]) {
 }
 
 #ifdef COOP_EMULATE
-// fp16 element e of shared line `line` of ARR (coop_a4: an A row, coop_b4: a weight column). A macro: GLSL passes
-// arrays by value, so a function would copy the shared tile.
-#define COOP_EMU_AT(ARR, line, e) unpackHalf2x16(ARR[(line) * COOP_LINE4 + (e) / 8u][((e) / 2u) % 4u])[(e) % 2u]
+// fp16 element e of shared line `line` of ARR, lines of line4 uvec4 (COOP_EMU_AT: the k-step's lines, coop_a4: an A
+// row, coop_b4: a weight column). A macro: GLSL passes arrays by value, so a function would copy the shared tile.
+#define COOP_EMU_AT_LINE4(ARR, line4, line, e) \
+    unpackHalf2x16(ARR[(line) * (line4) + (e) / 8u][((e) / 2u) % 4u])[(e) % 2u]
+#define COOP_EMU_AT(ARR, line, e) COOP_EMU_AT_LINE4(ARR, COOP_LINE4, line, e)
 
 void coop_emu_multiply_step() {
     uint lane = gl_LocalInvocationID.x & 31u, sm = COOP_SG / COOP_SG_N, sn = COOP_SG % COOP_SG_N;
@@ -240,8 +242,7 @@ void coop_br_emu_multiply(uint sg, uint lane, uint a_k0, f16vec2 h[4]) {
         for (uint e = 0u; e < 8u; ++e) {
             uint row = i * 16u + (lane * 8u + e) / 16u, col = (lane * 8u + e) % 16u;
             for (uint kx = 0u; kx < 16u; ++kx) {
-                uint ak = a_k0 + kx;
-                float av = unpackHalf2x16(coop_b4[row * COOP_ALINE4 + ak / 8u][(ak / 2u) % 4u])[ak % 2u];
+                float av = COOP_EMU_AT_LINE4(coop_b4, COOP_ALINE4, row, a_k0 + kx);  // the A block's line
                 float bv = unpackHalf2x16(coop_emu_b[sg * 128u + (col * 16u + kx) / 2u])[kx % 2u];
                 coop_emu[i * 8u + e] += av * bv;
             }
